@@ -1,0 +1,35 @@
+"""Command-line plumbing shared by the entry points: argument parsing and clean user errors."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable, Optional
+
+from bebop_megatron.config import Config, ConfigError, load_config
+
+
+def parse_config(argv: list[str], description: str, defaults: Optional[dict[str, Any]] = None) -> Config:
+    parser = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Overrides are OmegaConf dotted keys, e.g. train.steps=100 parallel.tensor=2 mtp.num_steps=5.\n"
+        "See bebop_megatron/config/schema.py for every field.",
+    )
+    parser.add_argument("--config", help="YAML config file (fields of bebop_megatron.config.Config)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    args = parser.parse_args(argv)
+    return load_config(args.config, args.overrides, defaults=defaults)
+
+
+def run_cli(main: Callable[[], None]) -> None:
+    """Run ``main``; a user error (``ValueError``) prints one line and exits with status 2."""
+    try:
+        main()
+    except ValueError as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,210 @@
+"""Load and validate configs: embedded defaults < YAML file < dotted CLI overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Iterable, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from bebop_megatron.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; the message names the field."""
+
+
+def _known_keys(cls, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        keys.append(name)
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            keys += _known_keys(f.default_factory, name + ".")
+    return keys
+
+
+def _did_you_mean(key: str) -> str:
+    match = difflib.get_close_matches(key, _known_keys(Config), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _friendly(err: OmegaConfBaseException) -> ConfigError:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None) or "?"
+    if isinstance(err, ConfigKeyError):
+        return ConfigError(f"unknown config key '{key}'{_did_you_mean(str(key))}")
+    msg = str(err).splitlines()[0]
+    return ConfigError(f"config field '{key}': {msg}")
+
+
+def load_config(
+    path: Optional[str] = None,
+    overrides: Iterable[str] = (),
+    defaults: Optional[dict[str, Any]] = None,
+) -> Config:
+    """Build a validated :class:`Config`.
+
+    ``defaults`` (a nested dict) sits between the dataclass defaults and the YAML file.
+    Raises :class:`ConfigError` (a ``ValueError``) naming the offending field.
+    """
+    base = OmegaConf.structured(Config)
+    try:
+        layers = [base]
+        if defaults:
+            layers.append(OmegaConf.create(defaults))
+        if path is not None:
+            try:
+                layers.append(OmegaConf.load(path))
+            except FileNotFoundError:
+                raise ConfigError(f"config file not found: {path}") from None
+        overrides = list(overrides)
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override '{item}' is not of the form key=value")
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(overrides))
+        merged = OmegaConf.merge(*layers)
+        cfg: Config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _friendly(err) from None
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _choice(value, name: str, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} must be one of {', '.join(map(str, choices))}")
+
+
+def _positive(value, name: str) -> None:
+    if value is None or value < 1:
+        raise ConfigError(f"{name}={value!r} must be >= 1")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no process group. World-size checks live in ``parallel_sizes``."""
+    m, p, t, mtp = cfg.model, cfg.parallel, cfg.train, cfg.mtp
+    _choice(cfg.device, "device", ("auto", "cpu", "cuda"))
+    _choice(cfg.precision, "precision", ("fp32", "bf16", "fp8"))
+    _choice(m.family, "model.family", ("dense", "moe"))
+    _choice(m.transformer_impl, "model.transformer_impl", ("auto", "local", "transformer_engine"))
+    _choice(m.moe_token_dispatcher_type, "model.moe_token_dispatcher_type", ("alltoall", "allgather"))
+    _choice(cfg.loss.type, "loss.type", ("ce",))
+    _choice(t.lr_schedule, "train.lr_schedule", ("constant", "cosine"))
+    _choice(t.resume, "train.resume", ("auto", "none"))
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                 "num_query_groups", "vocab_size"):
+        _positive(getattr(m, name), f"model.{name}")
+    for name in ("tensor", "pipeline", "expert", "context"):
+        _positive(getattr(p, name), f"parallel.{name}")
+    for name in ("steps", "micro_batch_size", "global_batch_size", "seq_length"):
+        _positive(getattr(t, name), f"train.{name}")
+    _positive(mtp.num_layers, "mtp.num_layers")
+    _positive(mtp.num_steps, "mtp.num_steps")
+    if mtp.num_layers not in (1, mtp.num_steps):
+        raise ConfigError(
+            f"mtp.num_layers={mtp.num_layers} must equal mtp.num_steps={mtp.num_steps} "
+            "(one layer per step) or be 1 (one layer reused for every step)"
+        )
+    if m.num_attention_heads % m.num_query_groups:
+        raise ConfigError(
+            f"model.num_query_groups={m.num_query_groups} must divide "
+            f"model.num_attention_heads={m.num_attention_heads}"
+        )
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(
+            f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+            f"{m.num_attention_heads}; set model.kv_channels"
+        )
+    if m.num_query_groups % p.tensor:
+        raise ConfigError(
+            f"parallel.tensor={p.tensor} must divide model.num_query_groups={m.num_query_groups}"
+        )
+    if m.num_attention_heads % p.tensor:
+        raise ConfigError(
+            f"parallel.tensor={p.tensor} must divide model.num_attention_heads={m.num_attention_heads}"
+        )
+    if m.ffn_hidden_size % p.tensor:
+        raise ConfigError(f"parallel.tensor={p.tensor} must divide model.ffn_hidden_size={m.ffn_hidden_size}")
+    if m.family == "moe":
+        if m.num_experts < 2:
+            raise ConfigError(f"model.num_experts={m.num_experts} must be >= 2 for model.family=moe")
+        if not 1 <= m.moe_router_topk <= m.num_experts:
+            raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts]")
+        if m.num_experts % p.expert:
+            raise ConfigError(f"parallel.expert={p.expert} must divide model.num_experts={m.num_experts}")
+    else:
+        if p.expert > 1:
+            raise ConfigError(f"parallel.expert={p.expert} needs model.family=moe (a dense model has no experts)")
+        if m.num_experts:
+            raise ConfigError(f"model.num_experts={m.num_experts} needs model.family=moe")
+    if p.sequence_parallel and p.tensor == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor > 1")
+    if p.sequence_parallel and t.seq_length % p.tensor:
+        raise ConfigError(f"parallel.tensor={p.tensor} must divide train.seq_length={t.seq_length} with sequence_parallel")
+    if p.context > 1:
+        raise ConfigError(
+            f"parallel.context={p.context}: context parallelism is not supported with the MTP "
+            "trainer yet (the MTP chain shift across CP shards is untested); use parallel.context=1"
+        )
+    if p.pipeline_layout is not None and p.pipeline == 1:
+        raise ConfigError("parallel.pipeline_layout needs parallel.pipeline > 1")
+    if p.pipeline > 1 and p.pipeline_layout is None and m.num_layers % p.pipeline:
+        raise ConfigError(
+            f"parallel.pipeline={p.pipeline} must divide model.num_layers={m.num_layers} "
+            "(or give parallel.pipeline_layout)"
+        )
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size={t.micro_batch_size}"
+        )
+    if not 0.0 <= t.warmup_fraction < 1.0:
+        raise ConfigError(f"train.warmup_fraction={t.warmup_fraction} must be in [0, 1)")
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"train.lr={t.lr} / train.min_lr={t.min_lr}: need 0 <= min_lr <= lr, lr > 0")
+    if t.clip_grad < 0:
+        raise ConfigError(f"train.clip_grad={t.clip_grad} must be >= 0")
+    if m.backbone_checkpoint and m.init_checkpoint:
+        raise ConfigError("model.backbone_checkpoint and model.init_checkpoint are exclusive")
+    if cfg.precision == "fp8" and m.transformer_impl == "local":
+        raise ConfigError("precision=fp8 needs model.transformer_impl=transformer_engine (or auto)")
+    if cfg.save.interval < 0:
+        raise ConfigError(f"save.interval={cfg.save.interval} must be >= 0")
+    if t.log_interval < 1:
+        raise ConfigError(f"train.log_interval={t.log_interval} must be >= 1")
+
+
+def parallel_sizes(cfg: Config, world_size: int) -> dict[str, int]:
+    """Data-parallel size and the rest, validated against the world size (no process groups)."""
+    p, t = cfg.parallel, cfg.train
+    model_parallel = p.tensor * p.pipeline * p.context
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by parallel.tensor * parallel.pipeline * "
+            f"parallel.context = {model_parallel}; launch with a multiple of {model_parallel} ranks "
+            f"(e.g. torchrun --nproc_per_node {model_parallel}) or lower the parallel sizes"
+        )
+    dp = world_size // model_parallel
+    etp = p.expert_tensor if p.expert_tensor is not None else p.tensor
+    if (dp * p.tensor * p.context) % (p.expert * etp):
+        raise ConfigError(
+            f"parallel.expert={p.expert} * parallel.expert_tensor={etp} must divide the "
+            f"data * tensor * context size {dp * p.tensor * p.context}"
+        )
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size * data-parallel size = {t.micro_batch_size * dp}"
+        )
+    return {
+        "data": dp,
+        "expert_tensor": etp,
+        "num_microbatches": t.global_batch_size // (t.micro_batch_size * dp),
+    }

@@ -1,0 +1,150 @@
+"""Typed configuration. Every field has a docstring; ``validate`` names the field it rejects.
+
+Loaded by :func:`bebop_megatron.config.load_config` from the embedded defaults, an
+optional YAML file and dotted ``key=value`` overrides (OmegaConf).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    family: str = "dense"
+    """``dense`` (Llama/Qwen2/Qwen3/MiMo shapes) or ``moe`` (Qwen3-MoE/GLM-4.5 shapes)."""
+    num_layers: int = 4
+    """Backbone decoder layers."""
+    hidden_size: int = 128
+    ffn_hidden_size: int = 384
+    """Dense MLP width (SwiGLU; per gate/up half)."""
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    """Key/value heads (GQA); must divide ``num_attention_heads``."""
+    kv_channels: Optional[int] = None
+    """Head dimension; default ``hidden_size // num_attention_heads``."""
+    vocab_size: int = 512
+    """Tokenizer vocabulary; padded up to ``make_vocab_size_divisible_by * TP``."""
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    qk_layernorm: bool = False
+    """Per-head RMSNorm on queries and keys (Qwen3)."""
+    add_qkv_bias: bool = False
+    """Bias on the fused QKV projection (Qwen2)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    init_method_std: float = 0.02
+    num_experts: int = 0
+    """Routed experts (``moe`` family only)."""
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of each routed expert; default ``ffn_hidden_size``."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of the shared expert(s); None for no shared expert."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """``alltoall`` or ``allgather``."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing loss on the MTP layers' routers (the backbone is frozen)."""
+    transformer_impl: str = "auto"
+    """``auto`` (Transformer Engine when importable on CUDA, else local), ``local`` or ``transformer_engine``."""
+    freeze_backbone: bool = True
+    """Freeze embedding, decoder, final norm and output layer (the method). ``false`` trains
+    the whole model on the same loss; only for comparisons (benchmarks, memory tests)."""
+    backbone_checkpoint: Optional[str] = None
+    """Megatron distributed checkpoint of the backbone (any parallel layout); None = random init."""
+    init_checkpoint: Optional[str] = None
+    """Megatron distributed checkpoint holding backbone *and* MTP weights to start from
+    (e.g. one written by ``save_model_checkpoint`` or an imported MiMo/GLM model)."""
+
+
+@dataclass
+class MTPConfig:
+    num_layers: int = 1
+    """Distinct MTP layers; either ``num_steps`` or 1 (one layer reused for every step)."""
+    num_steps: int = 3
+    """MTP training steps K (prediction depth)."""
+    detach_heads: bool = False
+    """Megatron's ``mtp_detach_heads`` (detach head inputs)."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    expert_tensor: Optional[int] = None
+    """Expert tensor parallel size; default equals ``tensor``."""
+    context: int = 1
+    sequence_parallel: bool = False
+    pipeline_layout: Optional[str] = None
+    """Megatron ``pipeline_model_parallel_layout`` string, e.g. ``"Et*2|t*2|mL"``
+    (a standalone MTP stage); None places the MTP block on the last stage."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state across data-parallel ranks."""
+
+
+@dataclass
+class LossConfig:
+    type: str = "ce"
+    """MTP objective. ``ce``: Megatron's cross-entropy on data tokens."""
+
+
+@dataclass
+class DataConfig:
+    num_samples: int = 4096
+    """Synthetic dataset size (samples of ``train.seq_length + 1`` tokens)."""
+    markov_branching: int = 4
+    """Synthetic data: successors per token in the generating Markov chain (lower = easier)."""
+    seed: int = 1234
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 50
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    seq_length: int = 64
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"
+    """``constant`` (with warmup; the paper's recipe) or ``cosine``."""
+    warmup_fraction: float = 0.03
+    """Fraction of ``steps`` spent in linear warmup."""
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables."""
+    seed: int = 1234
+    resume: str = "auto"
+    """``auto``: continue from the latest checkpoint in ``save.dir`` if there is one; ``none``."""
+    log_interval: int = 1
+    deterministic: bool = True
+    """Deterministic algorithms (CPU runs are bit-reproducible)."""
+
+
+@dataclass
+class SaveConfig:
+    dir: Optional[str] = "checkpoints/tiny"
+    """Checkpoint directory; None disables saving."""
+    interval: int = 0
+    """Save every N steps (0: only at the end)."""
+
+
+@dataclass
+class Config:
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu`` (gloo backend) or ``cuda`` (NCCL)."""
+    precision: str = "fp32"
+    """``fp32``, ``bf16`` or ``fp8`` (fp8 needs Transformer Engine on an FP8-capable GPU)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)

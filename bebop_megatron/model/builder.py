@@ -1,0 +1,184 @@
+"""Build the Megatron ``GPTModel`` with an MTP block and freeze its backbone.
+
+Legend: S sequence, B micro-batch, H hidden, K MTP steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from bebop_megatron.config import Config
+from bebop_megatron.model import specs
+
+
+class MTPGPTModel(GPTModel):
+    """``GPTModel`` whose last stage returns the hidden states of the backbone and every MTP step.
+
+    Megatron's ``_postprocess`` runs the MTP block and then its own CE loss. Here the MTP
+    block runs as usual and the concatenated hidden states ``[(1+K)*S, B, H]`` (backbone
+    final hidden state first, after the final norm) are returned, so the trainer's loss
+    (CE now, the TV family later) is computed outside the model with ``output_layer``.
+    Stages without the post-process return their hidden states unchanged.
+    """
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb,
+                     rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess=None, attention_mask=None,
+                     packed_seq_params=None, sequence_len_offset=None, padding_mask=None,
+                     extra_block_kwargs=None, **_unused):
+        if mtp_in_postprocess:
+            hidden_states = self.mtp(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                hidden_states=hidden_states,
+                attention_mask=attention_mask,
+                inference_params=None,
+                rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin,
+                packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset,
+                padding_mask=padding_mask,
+                embedding=self.embedding,
+                **(extra_block_kwargs or {}),
+            )
+        return hidden_states
+
+    def output_weight(self) -> torch.Tensor | None:
+        """The weight to pass to ``output_layer`` (the embedding when tied)."""
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return None
+
+
+def use_transformer_engine(cfg: Config, device: str) -> bool:
+    from bebop_megatron.platform import have_transformer_engine
+
+    impl = cfg.model.transformer_impl
+    if impl == "local":
+        return False
+    te = have_transformer_engine() and device == "cuda"
+    if impl == "transformer_engine" and not te:
+        raise ValueError(
+            "model.transformer_impl=transformer_engine needs Transformer Engine on a CUDA device "
+            "(install with: pip install -e '.[gpu]')"
+        )
+    return te
+
+
+def padded_vocab_size(cfg: Config) -> int:
+    """Vocabulary padded so that every TP rank holds an equal, aligned shard."""
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor
+    return -(-cfg.model.vocab_size // multiple) * multiple
+
+
+def transformer_config(cfg: Config, device: str, use_te: bool) -> TransformerConfig:
+    m, p = cfg.model, cfg.parallel
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}[cfg.precision]
+    moe = m.family == "moe"
+    kwargs = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        expert_model_parallel_size=p.expert,
+        expert_tensor_parallel_size=p.expert_tensor if p.expert_tensor is not None else p.tensor,
+        context_parallel_size=p.context,
+        sequence_parallel=p.sequence_parallel,
+        pipeline_model_parallel_layout=p.pipeline_layout,
+        mtp_num_layers=cfg.mtp.num_steps,
+        mtp_use_repeated_layer=cfg.mtp.num_layers == 1 and cfg.mtp.num_steps > 1,
+        mtp_detach_heads=cfg.mtp.detach_heads,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp8="hybrid" if cfg.precision == "fp8" else None,
+        # Weights are built on the CPU as full tensors and sliced per rank: on CPU there is
+        # nothing else, and on GPU this makes initialisation independent of the layout.
+        use_cpu_initialization=True,
+        calculate_per_token_loss=True,
+        deterministic_mode=cfg.train.deterministic and device == "cpu",
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        transformer_impl="transformer_engine" if use_te else "local",
+    )
+    if moe:
+        kwargs.update(
+            num_moe_experts=m.num_experts,
+            moe_router_topk=m.moe_router_topk,
+            moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+            moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+            moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+            moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
+            moe_grouped_gemm=use_te,
+            moe_router_dtype="fp32",
+        )
+    return TransformerConfig(**kwargs)
+
+
+def build_model(cfg: Config, device: str, pg_collection=None) -> MTPGPTModel:
+    """Build this rank's model chunk with the backbone frozen (see :func:`freeze_backbone`)."""
+    use_te = use_transformer_engine(cfg, device)
+    tconfig = transformer_config(cfg, device, use_te)
+    num_experts = cfg.model.num_experts if cfg.model.family == "moe" else None
+    layer = specs.layer_spec(num_experts, cfg.model.qk_layernorm, use_te)
+    mtp_spec = specs.mtp_block_spec(tconfig, layer, use_te)
+    model = MTPGPTModel(
+        config=tconfig,
+        transformer_layer_spec=specs.decoder_block_spec(tconfig, layer, use_te),
+        vocab_size=padded_vocab_size(cfg),
+        max_sequence_length=cfg.model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.model.rotary_base) if float(cfg.model.rotary_base).is_integer() else cfg.model.rotary_base,
+        mtp_block_spec=mtp_spec,
+        pg_collection=pg_collection,
+    )
+    if device == "cuda":
+        model.cuda(torch.cuda.current_device())
+    if cfg.model.freeze_backbone:
+        freeze_backbone(model)
+    return model
+
+
+def is_mtp_param(name: str) -> bool:
+    return name.startswith("mtp.") or ".mtp." in name
+
+
+def freeze_backbone(model: torch.nn.Module) -> None:
+    """Embedding, decoder, final norm and output layer: ``requires_grad=False``.
+
+    With no backbone parameter requiring grad and inputs that do not require grad, autograd
+    records nothing for the backbone: no graph, no stored activations. Gradients still flow
+    from the loss through the frozen output layer into the MTP layers.
+    """
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_mtp_param(name))
+
+
+def mtp_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]

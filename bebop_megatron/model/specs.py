@@ -1,0 +1,93 @@
+"""Layer specs per model family, built from Megatron-Core's spec providers.
+
+Two families: ``dense`` (GQA attention, SwiGLU MLP, RMSNorm, optional qk-norm and qkv
+bias: Llama / Qwen2 / Qwen3 / MiMo shapes) and ``moe`` (the same attention with routed and
+shared experts: Qwen3-MoE / GLM-4.5 shapes). The MTP layer reuses the family's layer
+spec (``get_gpt_mtp_block_spec``), so an MoE model gets expert-parallel MoE MTP layers.
+
+Backends: ``local`` (Megatron-Core modules only, with an SP-aware torch norm; CPU and GPU)
+and ``transformer_engine`` (Megatron-Core's TE spec; needed for FP8).
+"""
+
+from __future__ import annotations
+
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec_for_backend,
+    get_mlp_module_spec_for_backend,
+)
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from bebop_megatron.model.norms import SPAwareNorm, qk_norm
+
+
+class LocalSPSpecProvider(LocalSpecProvider):
+    """Megatron's local backend with a norm that supports sequence parallelism."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        return qk_norm if for_qk else SPAwareNorm
+
+
+def local_layer_spec(num_experts: int | None, qk_layernorm: bool) -> ModuleSpec:
+    """The decoder layer of both families with Megatron-Core's local modules."""
+    backend = LocalSPSpecProvider()
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=backend.layer_norm(),
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=backend.column_parallel_linear(),
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=backend.layer_norm(for_qk=True) if qk_layernorm else IdentityOp,
+                    k_layernorm=backend.layer_norm(for_qk=True) if qk_layernorm else IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=backend.layer_norm(),
+            mlp=get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts),
+            mlp_bda=get_bias_dropout_add,
+            # Same checkpoint keys as the TE spec, so checkpoints move between backends.
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )
+
+
+def layer_spec(num_experts: int | None, qk_layernorm: bool, use_te: bool) -> ModuleSpec:
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm
+        )
+    return local_layer_spec(num_experts, qk_layernorm)
+
+
+def decoder_block_spec(config, decoder_layer_spec: ModuleSpec, use_te: bool):
+    """The decoder block of this pipeline rank; the local backend's final norm is SP-aware."""
+    if use_te:
+        return decoder_layer_spec  # Megatron picks TE's norm for the final layernorm
+    num_layers = get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=[decoder_layer_spec] * num_layers, layer_norm=SPAwareNorm)
+
+
+def mtp_block_spec(config, decoder_layer_spec: ModuleSpec, use_te: bool):
+    """The MTP block spec for this pipeline rank (None where it holds no MTP layer)."""
+    if use_te:
+        from megatron.core.models.backends import TESpecProvider
+
+        backend = TESpecProvider()
+    else:
+        backend = LocalSPSpecProvider()
+    return get_gpt_mtp_block_spec_for_backend(config=config, spec=decoder_layer_spec, backend=backend)

@@ -1,0 +1,69 @@
+"""Device and backend selection: CUDA with NCCL, or CPU with gloo (Megatron-Core in CPU mode)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from bebop_megatron.platform import cpu_mode
+
+__all__ = ["resolve_device", "init_distributed", "cpu_mode", "have_transformer_engine", "device_of"]
+
+
+def resolve_device(device: str) -> str:
+    """Turn ``auto|cpu|cuda`` into ``cpu`` or ``cuda``; a clear error when CUDA is missing."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is visible; use device=cpu or device=auto")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} must be one of auto, cpu, cuda")
+    return device
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA install raising OSError
+        return False
+    return True
+
+
+def init_distributed(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
+    """Initialise torch.distributed from the torchrun environment (or as a single process).
+
+    Returns ``(rank, world_size)``. In CPU mode the gloo backend is used and Megatron-Core's
+    CUDA-only calls are redirected (:mod:`bebop_megatron.platform.cpu_mode`).
+    """
+    if device == "cpu":
+        cpu_mode.enable()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            os.environ["MASTER_PORT"] = str(_free_port())
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(
+            backend="nccl" if device == "cuda" else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    return dist.get_rank(), dist.get_world_size()
+
+
+def device_of(device: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

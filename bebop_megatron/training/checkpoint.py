@@ -1,0 +1,170 @@
+"""Checkpoints with Megatron distributed checkpointing (reshards across TP/PP/EP/DP on load).
+
+Training checkpoints hold the MTP weights, the optimizer, the step, the data position and
+the RNG state; the frozen backbone is not copied (``model.backbone_checkpoint`` names it).
+A checkpoint is written to ``iter_NNNNNNN.tmp`` and renamed once complete; ``latest`` is
+replaced atomically afterwards, so a crash mid-save never leaves ``latest`` pointing at a
+partial checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+from bebop_megatron.model import is_mtp_param
+
+LATEST = "latest"
+
+
+def _unwrap(model):
+    return getattr(model, "module", model)
+
+
+def _filtered_sharded_state_dict(model, keep) -> dict:
+    sd = _unwrap(model).sharded_state_dict(prefix="")
+    return {k: v for k, v in sd.items() if keep(k)}
+
+
+def _is_backbone_key(key: str) -> bool:
+    return not is_mtp_param(key)
+
+
+def _rng_sharded_object(world_rank: int, world_size: int):
+    state = {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    return ShardedObject("rng_state", state, (world_size,), (world_rank,), replica_id=0)
+
+
+def save_training_checkpoint(save_dir: str, step: int, model, optimizer, common: dict) -> str:
+    """Collective over all ranks. Returns the final directory of the checkpoint."""
+    name = f"iter_{step:07d}"
+    final = os.path.join(save_dir, name)
+    tmp = final + ".tmp"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = {"common": common, "rng_state": _rng_sharded_object(rank, world)}
+    model_sd = _filtered_sharded_state_dict(model, is_mtp_param)
+    if model_sd:
+        state["model"] = model_sd
+    state["optimizer"] = _same_common_state_on_all_stages(optimizer.sharded_state_dict(model_sd), bool(model_sd))
+    dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _write_atomic(os.path.join(save_dir, LATEST), name)
+    dist.barrier()
+    return final
+
+
+def _same_common_state_on_all_stages(opt_sd: dict, has_mtp: bool) -> dict:
+    """Give backbone-only stages the MTP stage's non-sharded optimizer state.
+
+    Rank 0 writes the common (non-sharded) part of a checkpoint, and rank 0 may hold only
+    backbone layers, whose empty optimizer lacks e.g. Adam's ``common_step``. Every rank
+    therefore takes the common part from the last stage of its pipeline.
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return opt_sd
+    _, common_part = extract_sharded_base(opt_sd)
+    obj = [common_part]
+    dist.broadcast_object_list(
+        obj,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return opt_sd if has_mtp else obj[0]
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def latest_checkpoint(save_dir: str | None) -> str | None:
+    """The newest complete checkpoint in ``save_dir`` (None if there is none)."""
+    if not save_dir:
+        return None
+    marker = os.path.join(save_dir, LATEST)
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        path = os.path.join(save_dir, f.read().strip())
+    return path if os.path.isdir(path) else None
+
+
+def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> dict:
+    """Load MTP weights, optimizer and RNG (when the layout is unchanged). Returns ``common``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state: dict = {"common": None}
+    model_sd = _filtered_sharded_state_dict(model, is_mtp_param) if optimizer is not None else {}
+    if model_sd:  # backbone-only stages have nothing to restore but the common state
+        state["model"] = model_sd
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+    if restore_rng:
+        state["rng_state"] = _rng_sharded_object(rank, world)
+    loaded = dist_checkpointing.load(state, path)
+    if model_sd:
+        _load_into(model, loaded["model"], is_mtp_param)
+        optimizer.load_state_dict(loaded["optimizer"])
+    if restore_rng:
+        rng = loaded["rng_state"]
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+    return loaded["common"]
+
+
+def _load_into(model, state_dict: dict, keep) -> None:
+    module = _unwrap(model)
+    missing, unexpected = module.load_state_dict(state_dict, strict=False)
+    expected = {k for k in module.state_dict().keys() if keep(k) and not k.endswith("_extra_state")}
+    not_loaded = expected & set(missing)
+    if not_loaded or unexpected:
+        raise ValueError(
+            f"checkpoint does not match the model: missing {sorted(not_loaded)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+
+
+def save_model_checkpoint(path: str, model) -> None:
+    """Write every weight of the model (backbone and MTP) as a distributed checkpoint.
+
+    Collective over all ranks. The result is what ``model.init_checkpoint`` (all weights)
+    or ``model.backbone_checkpoint`` (backbone only) loads, at any parallel layout.
+    """
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    dist.barrier()
+    dist_checkpointing.save({"model": _filtered_sharded_state_dict(model, lambda k: True)}, path)
+    dist.barrier()
+
+
+def load_model_weights(path: str, model, backbone_only: bool) -> None:
+    """Load the backbone (and, unless ``backbone_only``, the MTP layers) from ``path``."""
+    if not os.path.isdir(path):
+        raise ValueError(f"model checkpoint directory not found: {path}")
+    keep = _is_backbone_key if backbone_only else (lambda k: True)
+    sd = _filtered_sharded_state_dict(model, keep)
+    loaded = dist_checkpointing.load({"model": sd}, path)["model"]
+    _load_into(model, loaded, keep)

@@ -1,0 +1,267 @@
+"""The MTP training loop: frozen backbone, Megatron schedules, optimizer and checkpoints.
+
+Usage (``examples/pretrain_mtp.py`` is a thin wrapper)::
+
+    trainer = Trainer(cfg)
+    history = trainer.train()
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from bebop_megatron.config import Config, to_yaml
+from bebop_megatron.data import MarkovDataset, batch_iterator
+from bebop_megatron.model import build_model, mtp_parameters
+from bebop_megatron.platform import init_distributed, resolve_device
+from bebop_megatron.training import checkpoint as ckpt
+from bebop_megatron.training.loss import mtp_ce_loss
+from bebop_megatron.training.optim import build_optimizer, finalize_mtp_grads, wrap_ddp
+from bebop_megatron.training.parallel import setup_parallel
+from bebop_megatron.training.schedule import run_microbatches
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    top1: list[float]  # per MTP step, over valid chain positions
+    ce: list[float]  # per MTP step
+    tokens_per_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _forward_step(data_iterator, model, *, num_steps: int):
+    batch = next(data_iterator)
+    output = model(batch.tokens, batch.position_ids, None)
+    unwrapped = getattr(model, "module", model)
+    if not unwrapped.post_process:
+        return output, None
+
+    def loss_func(hidden):
+        loss_sum, count, stats = mtp_ce_loss(
+            unwrapped, hidden, batch, num_steps, parallel_state.get_tensor_model_parallel_group()
+        )
+        return loss_sum, count, {"loss_sum": loss_sum.detach(), "count": count, "stats": stats}
+
+    return output, loss_func
+
+
+class Trainer:
+    """Builds everything from a validated :class:`Config`; ``train()`` runs the loop."""
+
+    def __init__(self, cfg: Config, log=print):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        if cfg.precision == "fp8":
+            from bebop_megatron.training.precision import check_fp8_available
+
+            check_fp8_available(self.device)
+        if cfg.train.deterministic and self.device == "cpu":
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.rank, self.world = init_distributed(self.device)
+        self.log = log if self.rank == 0 else (lambda *a, **k: None)
+        self.sizes = setup_parallel(cfg, self.world)
+        self.model = build_model(cfg, self.device)
+        if cfg.model.backbone_checkpoint:
+            ckpt.load_model_weights(cfg.model.backbone_checkpoint, self.model, backbone_only=True)
+        elif cfg.model.init_checkpoint:
+            ckpt.load_model_weights(cfg.model.init_checkpoint, self.model, backbone_only=False)
+        self.has_mtp = bool(self.model.mtp_process)
+        self._comm_device = torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
+        # Every stage builds the (DDP, optimizer) pair because Megatron aligns param groups
+        # across all ranks; on backbone-only stages both are empty and do no communication.
+        self.model = wrap_ddp(cfg, self.model)
+        self.optimizer, self.scheduler = build_optimizer(cfg, self.model)
+        self.model.config.no_sync_func = self.model.no_sync
+        self.model.config.finalize_model_grads_func = finalize_mtp_grads
+        self.model.config.grad_scale_func = self.optimizer.scale_loss
+        self.dataset = MarkovDataset(
+            num_samples=cfg.data.num_samples,
+            seq_length=cfg.train.seq_length,
+            vocab_size=cfg.model.vocab_size,
+            branching=cfg.data.markov_branching,
+            seed=cfg.data.seed,
+        )
+        self.step = 0
+        self.consumed_samples = 0
+        self._maybe_resume()
+
+    # ---------------------------------------------------------------- resume
+
+    def _layout(self) -> dict:
+        p = self.cfg.parallel
+        return {"world": self.world, "tp": p.tensor, "pp": p.pipeline, "ep": p.expert}
+
+    def _maybe_resume(self) -> None:
+        if self.cfg.train.resume != "auto":
+            return
+        path = ckpt.latest_checkpoint(self.cfg.save.dir)
+        if path is None:
+            return
+        common = ckpt.load_training_checkpoint(path, self.model, self.optimizer, restore_rng=False)
+        same_layout = common.get("layout") == self._layout()
+        if same_layout:
+            ckpt.load_training_checkpoint(path, self.model, None, restore_rng=True)
+        self.step = common["step"]
+        self.consumed_samples = common["consumed_samples"]
+        if self.scheduler is not None:
+            self.scheduler.step(increment=self.step)
+        self.log(f"resumed from {path} at step {self.step} (samples consumed: {self.consumed_samples})")
+
+    def save(self) -> str:
+        common = {
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "layout": self._layout(),
+            "config_yaml": to_yaml(self.cfg),
+        }
+        return ckpt.save_training_checkpoint(self.cfg.save.dir, self.step, self.model, self.optimizer, common)
+
+    # ---------------------------------------------------------------- step
+
+    def forward_backward(self, micro_batches) -> list:
+        """Zero grads, then forward/backward over the step's micro-batches (grads finalized)."""
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        return run_microbatches(
+            forward_step_func=functools.partial(_forward_step, num_steps=self.cfg.mtp.num_steps),
+            data_iterator=iter(micro_batches),
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=self.cfg.train.seq_length,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            has_mtp=self.has_mtp,
+        )
+
+    def optimizer_step(self) -> torch.Tensor:
+        """Clip, update and advance the LR schedule; returns the global grad norm."""
+        _, norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        return torch.tensor(float(norm) if norm is not None else 0.0)
+
+    def train_step(self, micro_batches) -> StepMetrics:
+        outputs = self.forward_backward(micro_batches)
+        grad_norm = self.optimizer_step()
+        self.step += 1
+        self.consumed_samples += self.cfg.train.global_batch_size
+        return self.reduce_metrics(outputs, grad_norm)
+
+    def reduce_metrics(self, outputs: list, grad_norm: torch.Tensor) -> StepMetrics:
+        """One all-reduce per step brings the logged numbers to every rank.
+
+        Only one rank per data-parallel replica of the MTP stage contributes (its TP ranks
+        hold copies of the same sums).
+        """
+        K = self.cfg.mtp.num_steps
+        report = torch.zeros(3 + 3 * K)
+        contributes = (
+            self.has_mtp
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
+        )
+        if contributes:
+            for out in outputs:
+                report[0] += out["loss_sum"].float().cpu()
+                report[1] += out["count"].float().cpu()
+                report[3:] += out["stats"].flatten().cpu()
+            if parallel_state.get_data_parallel_rank() == 0:
+                report[2] = grad_norm
+        report = report.to(self._comm_device)
+        dist.all_reduce(report)
+        report = report.cpu()
+        stats = report[3:].view(3, K)
+        count = stats[2].clamp(min=1)
+        return StepMetrics(
+            step=self.step,
+            loss=float(report[0] / report[1].clamp(min=1)),
+            grad_norm=float(report[2]),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            top1=(stats[1] / count).tolist(),
+            ce=(stats[0] / count).tolist(),
+        )
+
+    # ---------------------------------------------------------------- loop
+
+    def batches(self):
+        return batch_iterator(
+            self.dataset,
+            start_sample=self.consumed_samples,
+            global_batch_size=self.cfg.train.global_batch_size,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            dp_rank=parallel_state.get_data_parallel_rank(),
+            dp_size=parallel_state.get_data_parallel_world_size(),
+        )
+
+    def train(self) -> list[StepMetrics]:
+        cfg = self.cfg
+        self.log(self.summary())
+        history: list[StepMetrics] = []
+        tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
+        data = self.batches()
+        start = time.perf_counter()
+        while self.step < cfg.train.steps:
+            t0 = time.perf_counter()
+            metrics = self.train_step(next(data))
+            metrics.tokens_per_s = tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+            history.append(metrics)
+            if metrics.step % cfg.train.log_interval == 0 or metrics.step == cfg.train.steps:
+                self.log(self.format(metrics, time.perf_counter() - start))
+            if cfg.save.dir and cfg.save.interval and metrics.step % cfg.save.interval == 0:
+                self.log(f"saved {self.save()}")
+        if cfg.save.dir and (not cfg.save.interval or self.step % cfg.save.interval):
+            self.log(f"saved {self.save()}")
+        return history
+
+    def format(self, m: StepMetrics, elapsed: float) -> str:
+        steps = self.cfg.train.steps
+        eta = elapsed / max(len(range(m.step)), 1) * (steps - m.step)
+        top1 = " ".join(f"{a:.3f}" for a in m.top1)
+        return (
+            f"step {m.step:>5}/{steps} | loss {m.loss:.4f} | top1/step [{top1}] | "
+            f"grad_norm {m.grad_norm:.3f} | lr {m.lr:.2e} | {m.tokens_per_s:,.0f} tok/s | ETA {eta:.0f}s"
+        )
+
+    def summary(self) -> str:
+        total, trainable = count_parameters(self.model)
+        counts = torch.tensor([total, trainable], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(counts)
+        c, p = self.cfg, self.cfg.parallel
+        frozen = "backbone frozen" if c.model.freeze_backbone else "backbone TRAINABLE"
+        return (
+            f"bebop_megatron: device={self.device} world={self.world} TP={p.tensor} PP={p.pipeline} "
+            f"EP={p.expert} SP={p.sequence_parallel} DP={self.sizes['data']} | "
+            f"params {counts[0]:,.0f} (trainable {counts[1]:,.0f}, {frozen}) | "
+            f"K={c.mtp.num_steps} MTP steps over {c.mtp.num_layers} layer(s) | loss {c.loss.type}"
+        )
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """This rank's share of the (total, trainable) parameter counts: summed over all ranks
+    it gives the model size, each weight counted once (no TP/DP/expert-DP replicas, no MTP
+    stage copy of the embedding)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    module = getattr(model, "module", model)
+    dense_owner = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    expert_owner = parallel_state.get_expert_data_parallel_rank() == 0
+    total = trainable = 0
+    for name, param in module.named_parameters():
+        is_expert = getattr(param, "allreduce", True) is False
+        if not (expert_owner if is_expert else dense_owner):
+            continue
+        if not param_is_not_tensor_parallel_duplicate(param):
+            continue
+        if name.startswith("embedding.") and not module.pre_process:
+            continue  # the last stage's embedding copy (for MTP inputs) is not a new weight
+        total += param.numel()
+        trainable += param.numel() if param.requires_grad else 0
+    return total, trainable

@@ -1,0 +1,33 @@
+"""bebop_megatron: MTP draft heads trained with an end-to-end TV loss on Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="bebop_megatron",
+    version="0.1.0",
+    description=(
+        "Megatron-Core trainer for multi-token-prediction draft heads on a frozen backbone, "
+        "for speculative decoding with rejection sampling during RL rollouts"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.12",
+    packages=find_packages(include=["bebop_megatron", "bebop_megatron.*"]),
+    install_requires=[
+        "megatron-core>=0.19,<0.20",
+        "torch>=2.6",
+        "omegaconf>=2.3",
+        "safetensors",
+        "transformers",
+        "numpy",
+        "tqdm",
+        "psutil",  # Megatron's dist-checkpointing writer workers need it
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        # apex is optional and not listed: build it from its own source if you want it.
+        "gpu": ["transformer-engine[pytorch]"],
+        "wandb": ["wandb"],
+    },
+)
