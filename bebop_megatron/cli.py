@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
-from bebop_megatron.config import Config, ConfigError, load_config
+from bebop_megatron.config import Config, load_config, parallel_sizes
 
 
 def parse_config(argv: list[str], description: str, defaults: Optional[dict[str, Any]] = None) -> Config:
@@ -20,7 +20,9 @@ def parse_config(argv: list[str], description: str, defaults: Optional[dict[str,
     parser.add_argument("--config", help="YAML config file (fields of bebop_megatron.config.Config)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     args = parser.parse_args(argv)
-    return load_config(args.config, args.overrides, defaults=defaults)
+    cfg = load_config(args.config, args.overrides, defaults=defaults)
+    parallel_sizes(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # fail fast, before heavy imports
+    return cfg
 
 
 def run_cli(main: Callable[[], None]) -> None:

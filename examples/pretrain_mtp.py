@@ -15,7 +15,6 @@ All logic lives in ``bebop_megatron``; this file only wires the config to the tr
 import sys
 
 from bebop_megatron.cli import parse_config, run_cli
-from bebop_megatron.training import Trainer
 
 # What the command runs with no arguments: CPU, tensor-parallel over the two torchrun ranks.
 EMBEDDED_DEFAULT = {
@@ -28,6 +27,8 @@ EMBEDDED_DEFAULT = {
 
 def main() -> None:
     cfg = parse_config(sys.argv[1:], description=__doc__.split("\n")[0], defaults=EMBEDDED_DEFAULT)
+    from bebop_megatron.training import Trainer  # after the config checks: Megatron imports take seconds
+
     Trainer(cfg).train()
 
 

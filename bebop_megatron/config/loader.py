@@ -39,6 +39,16 @@ def _friendly(err: OmegaConfBaseException) -> ConfigError:
     return ConfigError(f"config field '{key}': {msg}")
 
 
+_SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.default_factory is not dataclasses.MISSING)
+
+
+def _check_sections(layer) -> None:
+    """A whole section replaced by a scalar (``train=3``): OmegaConf's error has no key."""
+    for name in _SECTIONS:
+        if name in layer and not OmegaConf.is_dict(layer[name]) and not isinstance(layer[name], dict):
+            raise ConfigError(f"config field '{name}' is a section; set its fields, e.g. '{name}.<field>=...'")
+
+
 def load_config(
     path: Optional[str] = None,
     overrides: Iterable[str] = (),
@@ -65,6 +75,8 @@ def load_config(
                 raise ConfigError(f"override '{item}' is not of the form key=value")
         if overrides:
             layers.append(OmegaConf.from_dotlist(overrides))
+        for layer in layers[1:]:
+            _check_sections(layer)
         merged = OmegaConf.merge(*layers)
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
@@ -126,10 +138,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.tensor={p.tensor} must divide model.num_query_groups={m.num_query_groups}"
         )
-    if m.num_attention_heads % p.tensor:
-        raise ConfigError(
-            f"parallel.tensor={p.tensor} must divide model.num_attention_heads={m.num_attention_heads}"
-        )
     if m.ffn_hidden_size % p.tensor:
         raise ConfigError(f"parallel.tensor={p.tensor} must divide model.ffn_hidden_size={m.ffn_hidden_size}")
     if m.family == "moe":
@@ -153,8 +161,8 @@ def validate(cfg: Config) -> None:
             f"parallel.context={p.context}: context parallelism is not supported with the MTP "
             "trainer yet (the MTP chain shift across CP shards is untested); use parallel.context=1"
         )
-    if p.pipeline_layout is not None and p.pipeline == 1:
-        raise ConfigError("parallel.pipeline_layout needs parallel.pipeline > 1")
+    if p.pipeline_layout is not None:
+        _validate_pipeline_layout(cfg)
     if p.pipeline > 1 and p.pipeline_layout is None and m.num_layers % p.pipeline:
         raise ConfigError(
             f"parallel.pipeline={p.pipeline} must divide model.num_layers={m.num_layers} "
@@ -179,6 +187,31 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"save.interval={cfg.save.interval} must be >= 0")
     if t.log_interval < 1:
         raise ConfigError(f"train.log_interval={t.log_interval} must be >= 1")
+
+
+def _validate_pipeline_layout(cfg: Config) -> None:
+    """Megatron's own layout checks, turned into one-line errors before any group exists."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    p, K = cfg.parallel, cfg.mtp.num_steps
+    hint = f"e.g. 'Et*{cfg.model.num_layers}|m*{K}L' for a standalone MTP stage with pipeline=2"
+    if p.pipeline == 1:
+        raise ConfigError("parallel.pipeline_layout needs parallel.pipeline > 1")
+    try:
+        layout = PipelineParallelLayerLayout(p.pipeline_layout, p.pipeline)
+        layout.validate_layer_layout(num_layers=cfg.model.num_layers, mtp_num_layers=K)
+    except (AssertionError, ValueError, KeyError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"parallel.pipeline_layout={p.pipeline_layout!r} is invalid: {reason} "
+            f"(one 'm' per MTP step, mtp.num_steps={K}; {hint})"
+        ) from None
+    if LayerType.mtp not in layout.layout[-1][-1]:
+        raise ConfigError(
+            f"parallel.pipeline_layout={p.pipeline_layout!r}: the MTP layers must be on the last "
+            f"pipeline stage, with the loss ({hint})"
+        )
 
 
 def parallel_sizes(cfg: Config, world_size: int) -> dict[str, int]:

@@ -80,8 +80,10 @@ class ParallelConfig:
     context: int = 1
     sequence_parallel: bool = False
     pipeline_layout: Optional[str] = None
-    """Megatron ``pipeline_model_parallel_layout`` string, e.g. ``"Et*2|t*2|mL"``
-    (a standalone MTP stage); None places the MTP block on the last stage."""
+    """Megatron ``pipeline_model_parallel_layout`` string: ``E`` embedding, ``t`` decoder layer,
+    ``m`` one MTP step (``mtp.num_steps`` of them), ``L`` loss, ``|`` between stages. E.g.
+    ``"Et*4|m*3L"`` puts 4 layers on stage 0 and a standalone MTP stage (K=3) on stage 1.
+    None places the MTP block on the last stage with the last decoder layers."""
     distributed_optimizer: bool = False
     """Shard optimizer state across data-parallel ranks."""
 

@@ -23,6 +23,22 @@ from bebop_megatron.model import is_mtp_param
 LATEST = "latest"
 
 
+def use_in_process_write_results() -> None:
+    """Collect writer results in a plain queue instead of a spawned ``Manager`` process.
+
+    Megatron's file writer reports results through a process-shared queue made by a
+    ``spawn``-context ``Manager``, which starts a new interpreter (re-importing the training
+    script) on the first save of every rank. Synchronous saves write from this process's
+    threads only, so an in-process queue is equivalent and starts nothing.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _unwrap(model):
     return getattr(model, "module", model)
 
@@ -56,6 +72,7 @@ def save_training_checkpoint(save_dir: str, step: int, model, optimizer, common:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
+    use_in_process_write_results()
     state = {"common": common, "rng_state": _rng_sharded_object(rank, world)}
     model_sd = _filtered_sharded_state_dict(model, is_mtp_param)
     if model_sd:
@@ -156,6 +173,7 @@ def save_model_checkpoint(path: str, model) -> None:
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
     dist.barrier()
+    use_in_process_write_results()
     dist_checkpointing.save({"model": _filtered_sharded_state_dict(model, lambda k: True)}, path)
     dist.barrier()
 

@@ -66,11 +66,11 @@ def mtp_ce_loss(model, hidden, batch: Batch, num_steps: int, tp_group):
         target_SB = torch.zeros_like(labels_SB)
         target_SB[: S - k] = labels_SB[k:]
         valid_SB = valid_KSB[k - 1].float()
-        ce_SB = tensor_parallel.vocab_parallel_cross_entropy(logits_SBV.float(), target_SB)
-        per_position_SB = per_position_SB + ce_SB * valid_SB
-        with torch.no_grad():
-            stats[0, k - 1] = (ce_SB * valid_SB).sum()
+        with torch.no_grad():  # before the CE, which works in place on its input logits
             stats[1, k - 1] = (_vocab_parallel_top1_correct(logits_SBV, target_SB, tp_group) * valid_SB).sum()
             stats[2, k - 1] = valid_SB.sum()
+        ce_SB = tensor_parallel.vocab_parallel_cross_entropy(logits_SBV.float(), target_SB)
+        per_position_SB = per_position_SB + ce_SB * valid_SB
+        stats[0, k - 1] = (ce_SB.detach() * valid_SB).sum()
     num_positions = valid_KSB[0].sum().to(torch.int)
     return per_position_SB.sum() / num_steps, num_positions, stats

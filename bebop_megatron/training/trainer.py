@@ -9,6 +9,7 @@ Usage (``examples/pretrain_mtp.py`` is a thin wrapper)::
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from bebop_megatron.config import Config, to_yaml
+from bebop_megatron.config import Config, parallel_sizes, to_yaml
 from bebop_megatron.data import MarkovDataset, batch_iterator
 from bebop_megatron.model import build_model, mtp_parameters
 from bebop_megatron.platform import init_distributed, resolve_device
@@ -60,6 +61,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, log=print):
         self.cfg = cfg
+        # Every size check runs before a process group exists (torchrun sets WORLD_SIZE).
+        parallel_sizes(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.device = resolve_device(cfg.device)
         if cfg.precision == "fp8":
             from bebop_megatron.training.precision import check_fp8_available

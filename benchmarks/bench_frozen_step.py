@@ -1,0 +1,269 @@
+"""Frozen-backbone MTP step vs its ideal lower bound and vs a fully trainable step.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_frozen_step.py [--iters 10] [--warmup 2]
+        [--layers 12] [--hidden 256] [--seq 256] [--device cpu|cuda]
+
+Each variant runs in its own subprocess (one Trainer per process: it initialises
+torch.distributed and Megatron's parallel state), which answers in JSON on stdout:
+
+  F  the method: Trainer.forward_backward + Trainer.optimizer_step, model.freeze_backbone=true.
+  a  ideal lower bound from the same frozen model's modules: backbone forward under no_grad
+     (embedding, decoder, final norm) + backbone logits, then the MTP block on those hidden
+     states, mtp_ce_loss, backward, finalize_mtp_grads and the SAME optimizer step. F (CE
+     loss) computes no backbone logits, so that part of a is timed separately.
+  b  model.freeze_backbone=false (all parameters trainable), same calls as F.
+
+Time: median wall time per step over --iters after --warmup steps (same batch each step); the
+three processes stay alive and the driver interleaves their steps (F, a, b, then a, b, F,
+...), so a change of machine load during the run hits all three alike.
+Peak memory, CPU: ru_maxrss after the timed steps minus the current RSS just after the
+Trainer was built; CUDA: max_memory_allocated (reset after the build) minus the memory
+allocated then. One row per run is appended to benchmarks/results.csv; see README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+
+K = 3
+TAG = "BENCH_JSON "
+CSV_PATH = Path(__file__).with_name("results.csv")
+COLUMNS = ["date", "machine", "torch", "megatron_core", "device", "layers", "hidden", "seq", "K",
+           "step_F_ms", "step_a_ms", "step_b_ms", "ratio_F_a", "ratio_F_b", "ideal_F_b", "mem_F_mb", "mem_b_mb"]
+
+
+def overrides(args, freeze: bool) -> list[str]:
+    ffn = -(-args.hidden * 11 // 4 // 64) * 64  # 704 for hidden 256
+    return [
+        f"device={args.device}", "save.dir=null", "train.resume=none",
+        f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={ffn}",
+        "model.num_attention_heads=8", "model.num_query_groups=4", "model.vocab_size=2048",
+        f"model.freeze_backbone={str(freeze).lower()}", "mtp.num_layers=1", f"mtp.num_steps={K}",
+        f"train.seq_length={args.seq}", "train.micro_batch_size=4", "train.global_batch_size=4",
+        f"train.steps={args.warmup + args.iters}",
+    ]
+
+
+# ------------------------------------------------------------------ worker (one variant)
+
+def rss_mb(peak: bool = False) -> float:
+    """Peak (ru_maxrss: KiB on Linux) or current (/proc/self/statm) resident set size."""
+    if peak or not os.path.exists("/proc/self/statm"):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def worker(args) -> None:
+    import torch
+    from megatron.core import parallel_state
+
+    from bebop_megatron.config import load_config
+    from bebop_megatron.training import Trainer
+    from bebop_megatron.training.loss import mtp_ce_loss
+    from bebop_megatron.training.optim import finalize_mtp_grads
+
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    mem = (lambda: torch.cuda.memory_allocated() / 2**20) if cuda else rss_mb
+    cfg = load_config(overrides=overrides(args, freeze=args.worker != "b"))
+    mem0 = mem()
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    batches = next(trainer.batches())  # the same micro-batches every step
+    if cuda:
+        batches = [type(b)(*(t.cuda() for t in vars(b).values())) for b in batches]
+    model = trainer.model.module  # MTPGPTModel inside Megatron's DDP
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    mem_built = mem()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+    def step_f() -> tuple[dict, float, float]:
+        t0 = time.perf_counter()
+        outs = trainer.forward_backward(batches)
+        sync()
+        t1 = time.perf_counter()
+        norm = trainer.optimizer_step()
+        sync()
+        parts = {"fwd_bwd": t1 - t0, "opt": time.perf_counter() - t1}
+        return parts, sum(float(o["loss_sum"]) for o in outs) / max(sum(int(o["count"]) for o in outs), 1), float(norm)
+
+    def step_a() -> tuple[dict, float, float]:
+        (batch,) = batches  # micro-batch = global batch: one micro-batch, no no_sync needed
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            dec_in, rope, cos, sin, offset, _ = model._preprocess(batch.tokens, batch.position_ids)[:6]
+            hidden = model.decoder(hidden_states=dec_in, attention_mask=None, rotary_pos_emb=rope,
+                                   rotary_pos_cos=cos, rotary_pos_sin=sin, sequence_len_offset=offset)
+            sync()
+            t1 = time.perf_counter()
+            model.output_layer(hidden, weight=model.output_weight())  # backbone logits
+            sync()
+        t2 = time.perf_counter()
+        trainer.model.zero_grad_buffer()  # as Trainer.forward_backward does
+        trainer.optimizer.zero_grad()
+        out = model.mtp(input_ids=batch.tokens, position_ids=batch.position_ids, hidden_states=hidden,
+                        attention_mask=None, rotary_pos_emb=rope, rotary_pos_cos=cos, rotary_pos_sin=sin,
+                        sequence_len_offset=offset, embedding=model.embedding)
+        loss_sum, count, _ = mtp_ce_loss(model, out, batch, K, tp_group)
+        trainer.optimizer.scale_loss(loss_sum).backward()
+        finalize_mtp_grads([trainer.model], count.clone())  # DP sync + per-token scaling, as F
+        sync()
+        t3 = time.perf_counter()
+        norm = trainer.optimizer_step()
+        sync()
+        parts = {"backbone": t1 - t0, "logits": t2 - t1, "mtp_fwd_bwd": t3 - t2, "opt": time.perf_counter() - t3}
+        return parts, float(loss_sum.detach()) / max(int(count), 1), float(norm)
+
+    step = step_a if args.worker == "a" else step_f
+    reply({"ready": True})
+    for line in sys.stdin:  # the driver interleaves the variants' steps: "step" ... "end"
+        if line.strip() != "step":
+            break
+        c0 = time.process_time()
+        parts, loss, norm = step()
+        reply({"parts": parts, "cpu": time.process_time() - c0, "loss": loss, "norm": norm})
+    sync()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else rss_mb(peak=True)
+    reply({"mem_mb": max(peak - mem_built, 0.0), "build_mb": mem_built - mem0, "threads": torch.get_num_threads(),
+           "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "torch": torch.__version__})
+
+
+def reply(obj: dict) -> None:
+    print(TAG + json.dumps(obj), flush=True)
+
+
+# ------------------------------------------------------------------ driver
+
+
+class Worker:
+    """One variant in its own process, stepping on request (stderr kept in a temp file)."""
+
+    def __init__(self, variant: str, args):
+        cmd = [sys.executable, __file__, "--worker", variant, "--warmup", str(args.warmup), "--iters", str(args.iters),
+               "--layers", str(args.layers), "--hidden", str(args.hidden), "--seq", str(args.seq), "--device", args.device]
+        self.variant, self.err = variant, tempfile.TemporaryFile("w+")
+        with socket.socket() as sock:  # a free port for this process's torch.distributed
+            sock.bind(("127.0.0.1", 0))
+            env = dict(os.environ, MASTER_PORT=str(sock.getsockname()[1]))
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG):])
+        self.err.seek(0)
+        sys.exit(f"variant {self.variant} failed (exit {self.proc.wait()}):\n{self.err.read()[-4000:]}")
+
+
+def run_all(args) -> dict:
+    """Interleaved: every round runs one step of each variant (rotating the order)."""
+    workers = [Worker(v, args) for v in ("F", "a", "b")]
+    try:
+        for w in workers:
+            w.read()  # "ready": Trainer built
+        steps = {w.variant: [] for w in workers}
+        for r in range(args.warmup + args.iters):
+            for w in workers[r % 3:] + workers[: r % 3]:
+                steps[w.variant].append(w.ask("step"))
+        res = {}
+        for w in workers:
+            timed = steps[w.variant][args.warmup:]
+            res[w.variant] = w.ask("end") | {
+                "step_ms": 1e3 * statistics.median(sum(t["parts"].values()) for t in timed),
+                "min_ms": 1e3 * min(sum(t["parts"].values()) for t in timed),
+                "cpu_ms": 1e3 * statistics.median(t["cpu"] for t in timed),
+                "parts_ms": {k: 1e3 * statistics.median(t["parts"][k] for t in timed) for k in timed[0]["parts"]},
+                "loss0": steps[w.variant][0]["loss"], "grad_norm0": steps[w.variant][0]["norm"],
+            }
+        return res
+    finally:
+        for w in workers:
+            w.proc.kill()
+            w.proc.wait()
+
+
+def main() -> None:
+    verdict = {True: "PASS", False: "MISS"}.get
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=10, help="timed steps per variant (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=256, help="multiple of 8 (8 heads, 4 query groups)")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--worker", choices=("F", "a", "b"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.warmup = max(args.warmup, 1)
+    if args.worker:
+        return worker(args)
+
+    t_start, load0 = time.perf_counter(), os.getloadavg()[0]
+    res = run_all(args)
+    load1 = os.getloadavg()[0]
+    F, a, b = res["F"], res["a"], res["b"]
+    L = args.layers
+    ideal = (L + 3 * K) / (3 * L + 3 * K)
+    r_fa, r_fb = F["step_ms"] / a["step_ms"], F["step_ms"] / b["step_ms"]
+    a_no_logits = a["step_ms"] - a["parts_ms"]["logits"]
+
+    print(f"L={L} hidden={args.hidden} seq={args.seq} K={K} batch=4 device={args.device} "
+          f"threads={F['threads']} warmup={args.warmup} iters={args.iters} load avg {load0:.1f} -> {load1:.1f}")
+    print(f"{'variant':<34}{'step ms':>9}{'cpu ms':>9}{'mem MB':>9}{'build MB':>10}{'trainable':>12}  parts (median ms)")
+    names = {"F": "F  frozen backbone (the method)", "a": "a  ideal: no_grad bb + MTP f/b", "b": "b  all trainable"}
+    for v, r in res.items():
+        parts = " ".join(f"{k}={x:.1f}" for k, x in r["parts_ms"].items())
+        print(f"{names[v]:<34}{r['step_ms']:>9.1f}{r['cpu_ms']:>9.1f}{r['mem_mb']:>9.1f}{r['build_mb']:>10.1f}{r['trainable']:>12,}  {parts}")
+    print(f"first-step loss  F={F['loss0']:.6f} a={a['loss0']:.6f} b={b['loss0']:.6f}; "
+          f"grad norm F={F['grad_norm0']:.6f} a={a['grad_norm0']:.6f} (F and a must agree)")
+    print(f"F / a = {r_fa:.3f}  (target <= 1.15) {verdict(r_fa <= 1.15)};  "
+          f"F / (a - backbone logits) = {F['step_ms'] / a_no_logits:.3f} (info: F computes no backbone logits)")
+    print(f"F / b = {r_fb:.3f}  ideal (L+3K)/(3L+3K) = {ideal:.3f}  deviation {100 * (r_fb / ideal - 1):+.1f}%  "
+          f"(target within 10%) {verdict(abs(r_fb / ideal - 1) <= 0.10)}")
+    print(f"peak memory F / b = {F['mem_mb']:.1f} / {b['mem_mb']:.1f} MB = {F['mem_mb'] / max(b['mem_mb'], 1e-9):.2f}  "
+          f"(target <= 0.75) {verdict(F['mem_mb'] <= 0.75 * b['mem_mb'])}")
+    for what, key in (("process CPU time", "cpu_ms"), ("fastest step (best of N)", "min_ms")):
+        print(f"info, on {what}: F / a = {F[key] / a[key]:.3f}  F / b = {F[key] / b[key]:.3f}")
+    layer_ms = a["parts_ms"]["backbone"] / L
+    print(f"info, measured pass counts: backbone layer forward {layer_ms:.1f} ms; MTP step (fwd+bwd, logits, CE) = "
+          f"{a['parts_ms']['mtp_fwd_bwd'] / K / layer_ms:.2f} layer forwards (ideal 3); backbone backward "
+          f"(b - F) / backbone forward = {(b['step_ms'] - F['step_ms']) / a['parts_ms']['backbone']:.2f} (ideal 2)")
+    if max(load0, load1) > (os.cpu_count() or 1):
+        print(f"WARNING: load average above {os.cpu_count()} CPUs: other processes compete, wall times are unreliable")
+    if abs(F["loss0"] - a["loss0"]) > 1e-4 * max(abs(F["loss0"]), 1):
+        print("WARNING: F and a first-step losses differ: the lower bound does not compute the same loss")
+
+    row = [datetime.now(timezone.utc).isoformat(timespec="seconds"), f"{platform.node()} ({os.cpu_count()} cpus)",
+           F["torch"], version("megatron-core"), args.device, L, args.hidden, args.seq, K,
+           *(f"{x:.1f}" for x in (F["step_ms"], a["step_ms"], b["step_ms"])),
+           *(f"{x:.3f}" for x in (r_fa, r_fb, ideal)), f"{F['mem_mb']:.1f}", f"{b['mem_mb']:.1f}"]
+    new = not CSV_PATH.exists() or CSV_PATH.stat().st_size == 0
+    with open(CSV_PATH, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(COLUMNS)
+        w.writerow(row)
+    print(f"appended to {CSV_PATH} ({time.perf_counter() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Every parallel layout against the same model on one rank (2 gloo ranks, CPU).
+
+Weights are independent of the layout: the single-rank reference writes its initial
+weights as a Megatron distributed checkpoint, and each 2-rank run loads them at its own
+layout (``model.init_checkpoint``; TP=2 loads only the backbone with
+``model.backbone_checkpoint`` and relies on Megatron's CPU initialisation of the MTP
+layer, which is TP-independent). Checked: loss at step 0 (relative 1e-5), the full MTP
+gradients of step 0, the loss after 5 optimizer steps, backbone parameters bit-identical
+after training, and an optimizer holding exactly the MTP parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.launch import load_grads, run_case
+
+STEPS = 6  # loss of step index 5 comes after 5 optimizer steps
+BASE = [
+    "device=cpu", f"train.steps={STEPS}", "train.micro_batch_size=2", "train.global_batch_size=4",
+    "train.seq_length=32", "train.lr=3e-3", "train.warmup_fraction=0.0",
+    "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4", "model.num_query_groups=2", "model.vocab_size=200",
+    "mtp.num_layers=1", "mtp.num_steps=3",
+]
+FAMILIES = {
+    "dense": ["model.qk_layernorm=true"],
+    "moe": [
+        "model.family=moe", "model.num_experts=4", "model.moe_router_topk=2",
+        "model.ffn_hidden_size=64", "model.moe_shared_expert_intermediate_size=64",
+    ],
+}
+# name -> (family, overrides, how the 2-rank run gets its weights)
+LAYOUTS = {
+    "tp2": ("dense", ["parallel.tensor=2"], "backbone_checkpoint"),
+    "tp2_sp": ("dense", ["parallel.tensor=2", "parallel.sequence_parallel=true"], "init_checkpoint"),
+    "pp2": ("dense", ["parallel.pipeline=2"], "init_checkpoint"),
+    "pp2_standalone_mtp": ("dense", ["parallel.pipeline=2", "parallel.pipeline_layout=Et*4|m*3L"], "init_checkpoint"),
+    "dp2": ("dense", [], "init_checkpoint"),
+    "ep2": ("moe", ["parallel.expert=2"], "init_checkpoint"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+    cache: dict = {}
+
+    def get(name: str):
+        if name in cache:
+            return cache[name]
+        if name in FAMILIES:
+            out = root / name
+            result = run_case(out, BASE + FAMILIES[name], nproc=1, save_model=root / f"{name}_init")
+        else:
+            family, overrides, weights = LAYOUTS[name]
+            get(family)  # the reference writes the initial weights
+            out = root / name
+            result = run_case(
+                out, BASE + FAMILIES[family] + overrides + [f"model.{weights}={root / f'{family}_init'}"], nproc=2
+            )
+        cache[name] = (result, load_grads(out / "grads0"))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_rank(runs, layout):
+    family = LAYOUTS[layout][0]
+    ref, ref_grads = runs(family)
+    got, grads = runs(layout)
+    ref_h, got_h = ref["history"], got["history"]
+
+    # Step 0: same loss to 1e-5 relative, same MTP gradients (every tensor, full shape).
+    assert got_h[0]["loss"] == pytest.approx(ref_h[0]["loss"], rel=1e-5)
+    assert set(grads) == set(ref_grads) and ref_grads
+    for key, ref_g in ref_grads.items():
+        scale = ref_g.abs().max().item()
+        assert scale > 0, f"reference gradient of {key} is zero"
+        torch.testing.assert_close(grads[key], ref_g, rtol=1e-4, atol=1e-5 * scale, msg=key)
+    # After five optimizer steps the trajectories still agree.
+    assert got_h[5]["loss"] == pytest.approx(ref_h[5]["loss"], rel=1e-4)
+    assert got_h[5]["top1"] == pytest.approx(ref_h[5]["top1"], abs=1e-6)
+
+    # Frozen backbone: untouched on every rank; optimizer holds exactly the MTP params.
+    for result in (ref, got):
+        assert result["backbone_identical"]
+        assert result["optimizer_holds_exactly_trainable"]
+        assert result["optimizer_params_all_mtp"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_reference_trains_only_mtp(runs, family):
+    ref, grads = runs(family)
+    # Every MTP parameter has a gradient entry and nothing else does.
+    assert all(key.startswith("mtp.") for key in grads)
+    assert ref["rank0_optimizer_numel"] == ref["rank0_trainable_numel"] == sum(g.numel() for g in grads.values())
+    losses = [h["loss"] for h in ref["history"]]
+    assert losses[-1] < losses[0]  # it learns

@@ -1,0 +1,64 @@
+"""Launch ``tests/helpers/*.py`` scripts on 1 or 2 CPU ranks (gloo) from tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HELPERS = REPO / "tests" / "helpers"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(script: str, args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    path = str(HELPERS / script) if not os.path.isabs(script) else script
+    if nproc == 1:
+        env.pop("RANK", None)
+        env.pop("WORLD_SIZE", None)
+        env["MASTER_PORT"] = str(_free_port())
+        cmd = [sys.executable, path, *args]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), path, *args,
+        ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        ranks = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
+        raise AssertionError(
+            f"{' '.join(cmd)} failed with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+            f"--- rank errors\n{ranks[-8000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def run_case(out: Path, overrides: list[str], nproc: int, save_model: Path | None = None) -> dict:
+    args = ["--out", str(out)]
+    if save_model is not None:
+        args += ["--save-model", str(save_model)]
+    run_script("run_case.py", args + overrides, nproc)
+    with open(out / "result.json") as f:
+        return json.load(f)
+
+
+def load_grads(path: Path) -> dict:
+    """Full (unsharded) tensors of a distributed checkpoint, without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    plain = path.parent / (path.name + ".pt")
+    if not plain.exists():
+        dcp_to_torch_save(str(path), str(plain))
+    import torch
+
+    loaded = torch.load(plain, map_location="cpu", weights_only=False)
+    return {k: v for k, v in loaded.items() if isinstance(v, torch.Tensor)}

@@ -1,0 +1,117 @@
+"""Run a few training steps and record what the layout tests compare.
+
+    torchrun --nproc_per_node 2 tests/helpers/run_case.py --out DIR [--save-model PATH] key=value ...
+    python tests/helpers/run_case.py --out DIR ...          (the single-rank reference)
+
+Writes (rank 0) ``DIR/result.json``: per-step loss / top-1 / grad norm, whether every
+backbone parameter is bit-identical after training, and the optimizer's parameter count
+against the trainable (MTP) parameter count. Writes ``DIR/grads0`` (all ranks): the MTP
+gradients of step 0 as a Megatron distributed checkpoint, so that any layout's gradients
+load back as full, unsharded tensors for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from bebop_megatron.config import load_config  # first: it quiets Megatron's start-up notices
+from megatron.core import dist_checkpointing
+from bebop_megatron.model import is_mtp_param
+from bebop_megatron.training import Trainer
+from bebop_megatron.training.checkpoint import (
+    _filtered_sharded_state_dict,
+    save_model_checkpoint,
+    use_in_process_write_results,
+)
+
+
+def save_mtp_grads(path: str, trainer: Trainer) -> None:
+    module = trainer.model.module
+    params = dict(module.named_parameters())
+    sd = {k: v for k, v in _filtered_sharded_state_dict(trainer.model, is_mtp_param).items() if k in params}
+    for name, sharded in sd.items():
+        sharded.data = params[name].main_grad.detach().clone()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    dist.barrier()
+    use_in_process_write_results()
+    dist_checkpointing.save({"grads": sd} if sd else {}, path)
+    dist.barrier()
+
+
+def optimizer_params(optimizer) -> list[torch.nn.Parameter]:
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    out = []
+    for opt in chained:
+        for group in opt.param_groups:
+            out.extend(group["params"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--save-model", default=None, help="write the initial full model here first")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    cfg = load_config(overrides=["save.dir=null", "train.resume=none", *args.overrides])
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    if args.save_model:
+        save_model_checkpoint(args.save_model, trainer.model)
+
+    module = trainer.model.module
+    backbone = {n: p.detach().clone() for n, p in module.named_parameters() if not is_mtp_param(n)}
+    data = trainer.batches()
+    history = []
+    for step in range(cfg.train.steps):
+        batches = next(data)
+        outputs = trainer.forward_backward(batches)
+        if step == 0:
+            save_mtp_grads(os.path.join(args.out, "grads0"), trainer)
+        norm = trainer.optimizer_step()
+        trainer.step += 1
+        trainer.consumed_samples += cfg.train.global_batch_size
+        m = trainer.reduce_metrics(outputs, norm)
+        history.append({"loss": m.loss, "top1": m.top1, "ce": m.ce, "grad_norm": m.grad_norm})
+
+    # Backbone bit-identical on every rank; optimizer holds exactly the trainable params.
+    identical = all(torch.equal(p, backbone[n]) for n, p in module.named_parameters() if n in backbone)
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    opt = optimizer_params(trainer.optimizer)
+    opt_ids = {id(p) for p in opt}
+    counts = torch.tensor(
+        [
+            float(identical),
+            float(opt_ids == trainable),
+            float(all(is_mtp_param(n) for n, p in module.named_parameters() if id(p) in opt_ids)),
+            float(sum(p.numel() for p in opt)),
+            float(sum(p.numel() for p in module.parameters() if p.requires_grad)),
+        ],
+        dtype=torch.float64,
+    )
+    flags = counts[:3].clone()
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    if dist.get_rank() == 0:
+        result = {
+            "history": history,
+            "backbone_identical": bool(flags[0]),
+            "optimizer_holds_exactly_trainable": bool(flags[1]),
+            "optimizer_params_all_mtp": bool(flags[2]),
+            "rank0_optimizer_numel": int(counts[3]),
+            "rank0_trainable_numel": int(counts[4]),
+            "world_size": dist.get_world_size(),
+        }
+        with open(os.path.join(args.out, "result.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""The entry point: user errors are one line and a non-zero exit, without a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.launch import REPO
+
+CASES = {
+    "unknown key": (["train.stepz=3"], "did you mean 'train.steps'"),
+    "world size": ([], "parallel.tensor"),  # embedded default is TP=2, one process
+    "fp8 on cpu": (["parallel.tensor=1", "precision=fp8"], "precision=fp8"),
+    "EP without MoE": (["parallel.tensor=1", "parallel.expert=2"], "parallel.expert"),
+    "TP not dividing heads": (["parallel.tensor=3"], "parallel.tensor"),
+    "missing config file": (["--config", "nope.yaml"], "nope.yaml"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_user_error_is_one_line(case):
+    args, expected = CASES[case]
+    proc = subprocess.run(
+        [sys.executable, "examples/pretrain_mtp.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
+
+
+def test_help_lists_overrides():
+    proc = subprocess.run(
+        [sys.executable, "examples/pretrain_mtp.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "key=value" in proc.stdout

@@ -1,0 +1,272 @@
+"""The MTP cross-entropy loss (training/loss.py) against plain float64 references.
+
+Definition (loss.py docstring): step k (1..K) at position t predicts labels[t+k]; it is
+valid when t+k < S and loss_mask[t+k] is set, and a chain stops at its first invalid
+step. Per position with K_t >= 1 valid steps, L_t = (1/K) sum_{k<=K_t} CE_k(t); the
+function returns sum_t L_t and the number of such positions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from bebop_megatron.data import Batch
+from bebop_megatron.training.loss import STAT_ROWS, chain_valid, mtp_ce_loss
+
+
+def brute_force_chain(loss_mask, K):
+    """Python-loop reference: bool [K, B, S]."""
+    B, S = loss_mask.shape
+    out = torch.zeros(K, B, S, dtype=torch.bool)
+    for b in range(B):
+        for t in range(S):
+            for k in range(1, K + 1):
+                if t + k < S and loss_mask[b, t + k] > 0:
+                    out[k - 1, b, t] = True
+                else:
+                    break  # the chain stops at its first invalid step
+    return out
+
+
+def _random_mask(B, S, seed, p_hole=0.25):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(B, S, generator=g) > p_hole).float()
+    mask[0, S // 2] = 0.0  # always at least one hole in the middle
+    mask[0, S // 2 + 1:] = 1.0  # followed by a fully valid tail
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("B, S, K", [(3, 17, 4), (2, 5, 4), (1, 3, 5), (4, 9, 1)])
+def test_chain_valid_matches_brute_force(seed, B, S, K):
+    mask = _random_mask(B, S, seed)
+    got = chain_valid(mask, K)
+    assert got.dtype == torch.bool and got.shape == (K, B, S)
+    assert torch.equal(got, brute_force_chain(mask, K))
+
+
+def test_chain_valid_hand_example():
+    # S=8, hole at label position 3. Step k at t uses labels[t+k]; chain breaks at the hole.
+    mask = torch.tensor([[1, 1, 1, 0, 1, 1, 1, 1]], dtype=torch.float32)
+    got = chain_valid(mask, 3)[:, 0].int().tolist()
+    assert got == [
+        # t: 0  1  2  3  4  5  6  7
+        [1, 1, 0, 1, 1, 1, 1, 0],  # k=1: labels[t+1]
+        [1, 0, 0, 1, 1, 1, 0, 0],  # k=2: t=1 breaks (labels[3] masked) even though labels[4] is set
+        [0, 0, 0, 1, 1, 0, 0, 0],  # k=3: t=0 breaks at labels[3]
+    ]
+
+
+def test_chain_valid_accepts_non_binary_masks():
+    # Weights > 0 count as set, 0 as unset (the loss only uses the mask as a boolean).
+    mask = torch.tensor([[0.5, 0.0, 2.0, 1.0, 0.0]])
+    assert torch.equal(chain_valid(mask, 2), brute_force_chain(mask, 2))
+
+
+# ---------------------------------------------------------------------------------------
+# mtp_ce_loss: needs Megatron's parallel state (1 process, gloo, CPU mode).
+
+
+@pytest.fixture(scope="module")
+def megatron_single_process():
+    from megatron.core import parallel_state
+
+    from bebop_megatron.platform import cpu_mode, init_distributed
+
+    assert not dist.is_initialized(), "a process group leaked from an earlier test"
+    assert not cpu_mode.is_enabled(), "CPU mode leaked from an earlier test"
+    # A single process whatever the environment; restore the variables init_distributed sets.
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {name: os.environ.pop(name, None) for name in names}
+    try:
+        assert init_distributed("cpu") == (0, 1)
+        parallel_state.initialize_model_parallel()
+        yield parallel_state.get_tensor_model_parallel_group()
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        cpu_mode.disable()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    assert not dist.is_initialized() and not cpu_mode.is_enabled()
+
+
+class StandInModel:
+    """What mtp_ce_loss needs from MTPGPTModel: an output layer and its (untied) weight."""
+
+    def __init__(self, weight_VH: torch.Tensor):
+        self.weight_VH = weight_VH
+        self.calls = 0
+
+    def output_layer(self, hidden, weight=None):
+        self.calls += 1
+        w = self.weight_VH if weight is None else weight
+        return hidden @ w.t(), None
+
+    def output_weight(self):
+        return None
+
+
+def _make_case(B, S, H, V, K, seed, mask=None):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn((1 + K) * S, B, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) / H ** 0.5 * 3
+    labels = torch.randint(0, V, (B, S), generator=g)
+    if mask is None:
+        mask = _random_mask(B, S, seed)
+    batch = Batch(
+        tokens=torch.randint(0, V, (B, S), generator=g),
+        labels=labels,
+        loss_mask=mask,
+        position_ids=torch.arange(S).expand(B, S),
+        sample_ids=torch.arange(B),
+    )
+    return hidden, weight, batch
+
+
+def reference_loss(hidden_64, weight_64, labels, loss_mask, K):
+    """Float64 plain-torch reference: (loss_sum, count, stats[3, K])."""
+    S_all, B, H = hidden_64.shape
+    S = S_all // (1 + K)
+    valid = brute_force_chain(loss_mask, K)  # [K, B, S]
+    loss_sum = hidden_64.new_zeros(())
+    stats = torch.zeros(3, K, dtype=torch.float64)
+    for k in range(1, K + 1):
+        h_SBH = hidden_64[k * S:(k + 1) * S]
+        logits_BSV = (h_SBH @ weight_64.t()).transpose(0, 1)
+        logp_BSV = torch.log_softmax(logits_BSV, dim=-1)
+        for b in range(B):
+            for t in range(S):
+                if not valid[k - 1, b, t]:
+                    continue
+                target = labels[b, t + k]
+                ce = -logp_BSV[b, t, target]
+                loss_sum = loss_sum + ce / K
+                stats[0, k - 1] += ce.item()
+                stats[1, k - 1] += float(logits_BSV[b, t, target] >= logits_BSV[b, t].max())
+                stats[2, k - 1] += 1
+    count = int(valid[0].sum())
+    return loss_sum, count, stats
+
+
+CASES = [
+    pytest.param(3, 17, 16, 29, 4, 0, id="B3-S17-K4"),
+    pytest.param(2, 11, 8, 13, 3, 1, id="B2-S11-K3"),
+    pytest.param(1, 6, 8, 7, 5, 2, id="K-near-S"),
+    pytest.param(2, 9, 12, 31, 1, 3, id="K1"),
+]
+
+
+@pytest.mark.parametrize("B, S, H, V, K, seed", CASES)
+def test_mtp_ce_loss_matches_reference(megatron_single_process, B, S, H, V, K, seed):
+    hidden_64, weight_64, batch = _make_case(B, S, H, V, K, seed)
+    model = StandInModel(weight_64.float())
+    hidden = hidden_64.float().requires_grad_(True)
+
+    loss_sum, count, stats = mtp_ce_loss(model, hidden, batch, K, megatron_single_process)
+    assert model.calls == K  # one output-layer call per MTP step, none for the backbone chunk
+
+    ref_hidden = hidden_64.clone().requires_grad_(True)
+    ref_sum, ref_count, ref_stats = reference_loss(ref_hidden, weight_64, batch.labels, batch.loss_mask, K)
+
+    assert ref_count > 0
+    assert int(count) == ref_count
+    assert stats.shape == (len(STAT_ROWS), K)
+    torch.testing.assert_close(loss_sum.double(), ref_sum.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close((loss_sum / count).double(), ref_sum.detach() / ref_count, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(stats[0].double(), ref_stats[0], rtol=1e-5, atol=1e-4)  # ce_sum
+    assert torch.equal(stats[1].double(), ref_stats[1])  # top1_correct
+    assert torch.equal(stats[2].double(), ref_stats[2])  # count
+    # Per-step counts are the chain counts, non-increasing in k.
+    assert stats[2, 0].item() == ref_count
+    assert all(stats[2, k] >= stats[2, k + 1] for k in range(K - 1))
+    # loss_sum = (1/K) * sum_k ce_sum_k
+    torch.testing.assert_close(loss_sum, stats[0].sum() / K, rtol=1e-6, atol=1e-6)
+
+    # Gradient w.r.t. the hidden states, through the frozen output layer.
+    (loss_sum / count).backward()
+    (ref_sum / ref_count).backward()
+    assert hidden.grad is not None and hidden.grad.dtype == torch.float32
+    torch.testing.assert_close(hidden.grad.double(), ref_hidden.grad, rtol=1e-4, atol=1e-6)
+    # The backbone chunk gets no gradient, nor do positions whose chain is empty.
+    assert torch.count_nonzero(hidden.grad[:S]) == 0
+    valid = brute_force_chain(batch.loss_mask, K)
+    for k in range(1, K + 1):
+        invalid_SB = ~valid[k - 1].t()
+        assert torch.count_nonzero(hidden.grad[k * S:(k + 1) * S][invalid_SB]) == 0
+
+
+def test_mtp_ce_loss_top1_counts_argmax_hits(megatron_single_process):
+    # Hidden states (= logits) whose argmax is the true target at every other position and
+    # another token elsewhere: top1_correct must count exactly those (within the chain).
+    B, S, K = 2, 10, 3
+    V = H = 12
+    g = torch.Generator().manual_seed(5)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    mask = torch.ones(B, S)
+    hidden = torch.randn((1 + K) * S, B, H, generator=g) * 0.1
+    expected = torch.zeros(K)
+    for k in range(1, K + 1):
+        for t in range(S - k):
+            for b in range(B):
+                target = int(labels[b, t + k])
+                if (t + b) % 2 == 0:
+                    hidden[k * S + t, b, target] += 10.0
+                    expected[k - 1] += 1
+                else:
+                    hidden[k * S + t, b, (target + 1) % V] += 10.0
+    batch = Batch(tokens=labels.clone(), labels=labels, loss_mask=mask,
+                  position_ids=torch.arange(S).expand(B, S), sample_ids=torch.arange(B))
+    model = StandInModel(torch.eye(V))  # logits == hidden
+    _, count, stats = mtp_ce_loss(model, hidden, batch, K, megatron_single_process)
+    assert int(count) == B * (S - 1)
+    assert torch.equal(stats[2], torch.tensor([B * (S - k) for k in range(1, K + 1)], dtype=torch.float32))
+    assert torch.equal(stats[1], expected)
+
+
+def test_mtp_ce_loss_top1_is_strict_on_near_ties(megatron_single_process):
+    # The target's logit is below the maximum by less than float32 can resolve after
+    # exp(): the target does not hold the maximum logit, so top-1 must not count it.
+    B, S, K = 1, 4, 1
+    V = H = 4
+    labels = torch.tensor([[1, 2, 3, 0]])
+    hidden = torch.full((2 * S, B, H), -5.0)
+    top, below = 1e-3, 1e-3 - 5e-10  # distinct float32 values
+    assert torch.tensor(below, dtype=torch.float32) < torch.tensor(top, dtype=torch.float32)
+    for t in range(S - 1):
+        target = int(labels[0, t + 1])
+        hidden[S + t, 0, target] = below
+        hidden[S + t, 0, (target + 1) % V] = top
+    batch = Batch(tokens=labels.clone(), labels=labels, loss_mask=torch.ones(B, S),
+                  position_ids=torch.arange(S).expand(B, S), sample_ids=torch.arange(B))
+    model = StandInModel(torch.eye(V))
+    logits = model.output_layer(hidden[S:], None)[0]
+    ref_top1 = sum(
+        float(logits[t, 0, labels[0, t + 1]] >= logits[t, 0].max()) for t in range(S - 1)
+    )
+    assert ref_top1 == 0.0
+    _, _, stats = mtp_ce_loss(model, hidden, batch, K, megatron_single_process)
+    assert stats[2, 0].item() == S - 1
+    assert stats[1, 0].item() == ref_top1
+
+
+def test_mtp_ce_loss_all_chains_empty(megatron_single_process):
+    B, S, H, V, K = 2, 6, 8, 11, 2
+    hidden_64, weight_64, batch = _make_case(B, S, H, V, K, seed=9, mask=torch.zeros(2, 6))
+    hidden = hidden_64.float().requires_grad_(True)
+    loss_sum, count, stats = mtp_ce_loss(StandInModel(weight_64.float()), hidden, batch, K,
+                                         megatron_single_process)
+    assert int(count) == 0
+    assert loss_sum.item() == 0.0
+    assert torch.equal(stats, torch.zeros(3, K))
+    loss_sum.backward()
+    assert torch.count_nonzero(hidden.grad) == 0

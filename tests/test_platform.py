@@ -1,0 +1,231 @@
+"""CPU mode for Megatron-Core, device resolution and the Transformer Engine / FP8 checks.
+
+Every test that enables CPU mode does so through the ``cpu_mode_on`` fixture, which
+disables it again (try/finally) because the rest of the suite runs in the same process.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from bebop_megatron.config import load_config
+from bebop_megatron.model.builder import use_transformer_engine
+from bebop_megatron.platform import cpu_mode, have_transformer_engine, resolve_device
+from bebop_megatron.training.precision import INSTALL_HINT, check_fp8_available
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error paths")
+needs_no_te = pytest.mark.skipif(have_transformer_engine(), reason="checks the missing-TE error paths")
+
+
+def _owner(red):
+    if red.module == "torch.Tensor":
+        return torch.Tensor
+    if red.module == "torch.nn.Module":
+        return torch.nn.Module
+    return importlib.import_module(red.module)
+
+
+def _current_attrs() -> dict:
+    return {(r.module, r.attr): getattr(_owner(r), r.attr) for r in cpu_mode.REDIRECTIONS}
+
+
+@pytest.fixture
+def cpu_mode_on():
+    assert not cpu_mode.is_enabled(), "CPU mode leaked from an earlier test"
+    cpu_mode.enable()
+    try:
+        yield
+    finally:
+        cpu_mode.disable()
+    assert not cpu_mode.is_enabled()
+
+
+def test_megatron_compatibility():
+    # Fails when a Megatron-Core (or torch) upgrade moves or removes a patched attribute.
+    assert cpu_mode.check_megatron_compatibility() == []
+
+
+def test_every_redirection_has_a_one_line_reason():
+    assert len(cpu_mode.REDIRECTIONS) > 0
+    seen = set()
+    for red in cpu_mode.REDIRECTIONS:
+        assert isinstance(red.reason, str) and red.reason.strip(), red
+        assert "\n" not in red.reason, red
+        assert callable(red.make), red
+        key = (red.module, red.attr)
+        assert key not in seen, f"{key} redirected twice (disable() would restore the wrong original)"
+        seen.add(key)
+
+
+def test_enable_disable_restores_every_original_attribute():
+    before = _current_attrs()
+    cpu_mode.enable()
+    try:
+        assert cpu_mode.is_enabled()
+        during = _current_attrs()
+        for red in cpu_mode.REDIRECTIONS:
+            key = (red.module, red.attr)
+            # Patched, unless the replacement is the original itself (te_general_gemm is
+            # already None when Transformer Engine is not installed).
+            assert during[key] is not before[key] or red.make(before[key]) is before[key], key
+        cpu_mode.enable()  # idempotent: a second enable must not save the patched values
+        assert all(_current_attrs()[k] is during[k] for k in during)
+    finally:
+        cpu_mode.disable()
+    assert not cpu_mode.is_enabled()
+    after = _current_attrs()
+    for key, original in before.items():
+        assert after[key] is original, f"{key} not restored"
+    cpu_mode.disable()  # a second disable is a no-op
+    assert all(_current_attrs()[k] is before[k] for k in before)
+    if not torch.cuda.is_available():
+        # The device-rewriting mode is gone too: CUDA requests fail again.
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.empty(2, device="cuda")
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.ones(1).cuda()
+
+
+def test_tensor_factories_with_cuda_device_give_cpu_tensors(cpu_mode_on):
+    assert torch.empty(2, device="cuda").device.type == "cpu"
+    assert torch.zeros(2, device="cuda:0").device.type == "cpu"
+    assert torch.ones(2, device=torch.device("cuda", 0)).device.type == "cpu"
+    assert torch.tensor([1.0, 2.0], device="cuda").device.type == "cpu"
+    assert torch.full((2,), 3.0, device=0).device.type == "cpu"  # an int is a CUDA ordinal
+    x = torch.arange(3.0)
+    assert x.cuda().device.type == "cpu"
+    assert x.to("cuda").device.type == "cpu"
+    assert x.to(device="cuda").device.type == "cpu"
+    assert x.to(torch.device("cuda"), torch.float64).dtype == torch.float64
+    assert x.new_zeros(2, device="cuda").device.type == "cpu"
+    assert torch.nn.Linear(2, 2).cuda().weight.device.type == "cpu"
+    assert torch.equal(x.cuda(), x)
+
+
+def test_current_device_is_usable_as_a_device(cpu_mode_on):
+    dev = torch.cuda.current_device()
+    assert torch.zeros(2, device=dev).device.type == "cpu"
+    assert torch.arange(2).to(dev).device.type == "cpu"
+    assert torch.device(dev).type == "cpu"
+
+
+def test_tensor_type_reports_cuda_names_while_enabled():
+    cpu_mode.enable()
+    try:
+        assert torch.ones(1).type() == "torch.cuda.FloatTensor"
+        assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        assert torch.ones(1, dtype=torch.float16).type() == "torch.cuda.HalfTensor"
+        # type(dtype) still converts and is not renamed.
+        assert torch.ones(1).type(torch.float64).dtype == torch.float64
+    finally:
+        cpu_mode.disable()
+    assert torch.ones(1).type() == "torch.FloatTensor"
+
+
+def test_streams_and_events_are_no_ops(cpu_mode_on):
+    x = torch.arange(4.0)
+    s = torch.cuda.Stream()
+    cur = torch.cuda.current_stream()
+    cur.wait_stream(s)
+    with torch.cuda.stream(s):
+        y = x * 2
+    assert torch.equal(y, torch.tensor([0.0, 2.0, 4.0, 6.0]))
+    x.record_stream(s)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    end.record(s)
+    s.wait_event(end)
+    end.synchronize()
+    assert end.query() and s.query()
+    assert start.elapsed_time(end) == 0.0
+    assert s.record_event() is not None
+    torch.cuda.synchronize()
+    assert torch.cuda.default_stream() == torch.cuda.current_stream()
+
+
+def test_rng_redirection_matches_cpu_generator(cpu_mode_on):
+    torch.cuda.manual_seed(5)
+    a = torch.rand(3)
+    torch.manual_seed(5)
+    b = torch.rand(3)
+    assert torch.equal(a, b)
+
+    state = torch.cuda.get_rng_state()
+    c = torch.rand(4)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(4), c)
+    assert not torch.equal(state, torch.get_rng_state())  # the state moved on after the draw
+
+
+def test_megatron_rng_tracker_forks_on_cpu(cpu_mode_on):
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tracker = tp_random.CudaRNGStatesTracker()
+    tracker.add("a", 1234)
+    torch.manual_seed(0)
+    outside_before = torch.get_rng_state()
+    with tracker.fork("a"):
+        first = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outside_before), "fork must restore the outer state"
+    with tracker.fork("a"):
+        second = torch.rand(3)
+    torch.manual_seed(1234)
+    ref = torch.rand(6)
+    assert torch.equal(first, ref[:3]) and torch.equal(second, ref[3:])
+
+
+@needs_no_cuda
+def test_cuda_is_still_unavailable_while_enabled(cpu_mode_on):
+    # CPU mode redirects calls; it must not pretend a GPU exists (device=auto would pick it).
+    assert not torch.cuda.is_available()
+    assert resolve_device("auto") == "cpu"
+
+
+@needs_no_cuda
+def test_resolve_device():
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == "cpu"
+    with pytest.raises(ValueError) as excinfo:
+        resolve_device("cuda")
+    msg = str(excinfo.value)
+    assert "device=cuda" in msg and "\n" not in msg
+    with pytest.raises(ValueError, match="device"):
+        resolve_device("tpu")
+
+
+def test_fp8_on_cpu_is_a_clear_error():
+    cfg = load_config(None, ["precision=fp8"])
+    assert cfg.precision == "fp8"
+    with pytest.raises(ValueError) as excinfo:
+        check_fp8_available("cpu")
+    msg = str(excinfo.value)
+    assert "CUDA" in msg and "precision=fp8" in msg and "\n" not in msg
+
+
+@needs_no_te
+def test_fp8_on_cuda_without_te_gives_install_hint():
+    with pytest.raises(ValueError) as excinfo:
+        check_fp8_available("cuda")
+    assert "Transformer Engine" in str(excinfo.value)
+    assert "pip install -e '.[gpu]'" in str(excinfo.value)
+    assert "pip install -e '.[gpu]'" in INSTALL_HINT
+
+
+@needs_no_te
+def test_transformer_engine_impl_without_te_gives_install_hint():
+    assert not have_transformer_engine()
+    cfg = load_config(None, ["model.transformer_impl=transformer_engine"])
+    for device in ("cpu", "cuda"):
+        with pytest.raises(ValueError) as excinfo:
+            use_transformer_engine(cfg, device)
+        msg = str(excinfo.value)
+        assert "model.transformer_impl" in msg and "pip install -e '.[gpu]'" in msg and "\n" not in msg
+
+
+def test_transformer_engine_auto_and_local_on_cpu():
+    assert use_transformer_engine(load_config(None, ["model.transformer_impl=auto"]), "cpu") is False
+    assert use_transformer_engine(load_config(None, ["model.transformer_impl=local"]), "cpu") is False
+    assert use_transformer_engine(load_config(None, ["model.transformer_impl=local"]), "cuda") is False
