@@ -17,10 +17,14 @@ def parse_config(argv: list[str], description: str, defaults: Optional[dict[str,
         epilog="Overrides are OmegaConf dotted keys, e.g. train.steps=100 parallel.tensor=2 mtp.num_steps=5.\n"
         "See bebop_megatron/config/schema.py for every field.",
     )
-    parser.add_argument("--config", help="YAML config file (fields of bebop_megatron.config.Config)")
+    parser.add_argument(
+        "--config",
+        help="YAML config file (fields of bebop_megatron.config.Config); replaces the embedded default",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides, defaults=defaults)
+    # The embedded default describes the no-argument run; a config file replaces it.
+    cfg = load_config(args.config, args.overrides, defaults=None if args.config else defaults)
     parallel_sizes(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # fail fast, before heavy imports
     return cfg
 

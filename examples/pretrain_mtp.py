@@ -6,8 +6,8 @@
     # single process, any overrides
     python examples/pretrain_mtp.py parallel.tensor=1 train.steps=20
 
-    # a YAML config plus overrides
-    torchrun --nproc_per_node 8 examples/pretrain_mtp.py --config examples/configs/tiny_cpu.yaml device=cuda
+    # a YAML config (it replaces the embedded default) plus overrides
+    torchrun --nproc_per_node 2 examples/pretrain_mtp.py --config examples/configs/tiny_moe_cpu.yaml train.steps=10
 
 All logic lives in ``bebop_megatron``; this file only wires the config to the trainer.
 """

@@ -36,3 +36,11 @@ def test_help_lists_overrides():
         [sys.executable, "examples/pretrain_mtp.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0 and "key=value" in proc.stdout
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_validate(path):
+    from bebop_megatron.config import load_config, parallel_sizes
+
+    cfg = load_config(str(path))
+    parallel_sizes(cfg, world_size=2)  # each example is written for 2 ranks

@@ -25,6 +25,9 @@ class Batch:
     position_ids: torch.Tensor  # [B, S] int64
     sample_ids: torch.Tensor  # [B] int64, global sample index (for resume checks)
 
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
+
 
 class MarkovDataset:
     def __init__(self, num_samples: int, seq_length: int, vocab_size: int, branching: int, seed: int):

@@ -78,7 +78,7 @@ def _frozen_backbone_pipeline(*, forward_step_func, data_iterator, model, num_mi
     shape = (s_local, micro_batch_size, config.hidden_size)
 
     forward_data_store: list = []
-    total_num_tokens = torch.zeros([], dtype=torch.int)
+    total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")  # CPU mode maps it to cpu
     no_sync = config.no_sync_func or contextlib.nullcontext
     for i in range(num_microbatches):
         received = p2p.recv_forward(shape, is_first_stage=first)

@@ -40,8 +40,8 @@ class StepMetrics:
     extra: dict = field(default_factory=dict)
 
 
-def _forward_step(data_iterator, model, *, num_steps: int):
-    batch = next(data_iterator)
+def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device):
+    batch = next(data_iterator).to(device)
     output = model(batch.tokens, batch.position_ids, None)
     unwrapped = getattr(model, "module", model)
     if not unwrapped.post_process:
@@ -136,7 +136,9 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         return run_microbatches(
-            forward_step_func=functools.partial(_forward_step, num_steps=self.cfg.mtp.num_steps),
+            forward_step_func=functools.partial(
+                _forward_step, num_steps=self.cfg.mtp.num_steps, device=self._comm_device
+            ),
             data_iterator=iter(micro_batches),
             model=self.model,
             num_microbatches=len(micro_batches),
@@ -146,8 +148,14 @@ class Trainer:
         )
 
     def optimizer_step(self) -> torch.Tensor:
-        """Clip, update and advance the LR schedule; returns the global grad norm."""
-        _, norm, _ = self.optimizer.step()
+        """Clip, update and advance the LR schedule; returns the global grad norm.
+
+        Backbone-only stages own no trainable parameter: they skip the optimizer (and its
+        grad-norm reduction) entirely and only advance the schedule.
+        """
+        norm = None
+        if self.has_mtp:
+            _, norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         return torch.tensor(float(norm) if norm is not None else 0.0)
 
