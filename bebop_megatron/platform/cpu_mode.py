@@ -177,17 +177,13 @@ REDIRECTIONS: tuple[Redirection, ...] = (
                 _cpu_to_numpy),
 )
 
-_saved: dict[tuple[str, str], Any] = {}
+_CLASS_OWNERS = {"torch.Tensor": torch.Tensor, "torch.nn.Module": torch.nn.Module}
+_saved: dict[tuple[str, str], tuple[Any, bool]] = {}  # -> (original, was own attribute)
 _mode: _CpuDeviceMode | None = None
 
 
 def _resolve(red: Redirection):
-    owner = importlib.import_module(red.module) if red.module != "torch.Tensor" and red.module != "torch.nn.Module" else None
-    if red.module == "torch.Tensor":
-        owner = torch.Tensor
-    elif red.module == "torch.nn.Module":
-        owner = torch.nn.Module
-    return owner
+    return _CLASS_OWNERS.get(red.module) or importlib.import_module(red.module)
 
 
 def check_megatron_compatibility() -> list[str]:
@@ -226,7 +222,7 @@ def enable() -> None:
     for red in REDIRECTIONS:
         owner = _resolve(red)
         original = getattr(owner, red.attr)
-        _saved[(red.module, red.attr)] = original
+        _saved[(red.module, red.attr)] = (original, red.attr in vars(owner))
         setattr(owner, red.attr, red.make(original))
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_rng_filter)
     _mode = _CpuDeviceMode()
@@ -241,7 +237,12 @@ def disable() -> None:
     _mode.__exit__(None, None, None)
     _mode = None
     for red in REDIRECTIONS:
-        setattr(_resolve(red), red.attr, _saved.pop((red.module, red.attr)))
+        owner = _resolve(red)
+        original, own = _saved.pop((red.module, red.attr))
+        if own:
+            setattr(owner, red.attr, original)
+        else:  # it was inherited (e.g. Tensor.record_stream from TensorBase)
+            delattr(owner, red.attr)
     logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(_rng_filter)
 
 

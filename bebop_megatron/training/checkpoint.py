@@ -128,11 +128,16 @@ def latest_checkpoint(save_dir: str | None) -> str | None:
     return path if os.path.isdir(path) else None
 
 
-def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> dict:
-    """Load MTP weights, optimizer and RNG (when the layout is unchanged). Returns ``common``."""
+def read_common_state(path: str) -> dict:
+    """The non-sharded ``common`` entry of a training checkpoint (step, data position, layout)."""
+    return dist_checkpointing.load_common_state_dict(path)["common"]
+
+
+def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> None:
+    """Load MTP weights, optimizer and (if ``restore_rng``) this rank's RNG streams."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    state: dict = {"common": None}
-    model_sd = _filtered_sharded_state_dict(model, is_mtp_param) if optimizer is not None else {}
+    state: dict = {}
+    model_sd = _filtered_sharded_state_dict(model, is_mtp_param)
     if model_sd:  # backbone-only stages have nothing to restore but the common state
         state["model"] = model_sd
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
@@ -148,7 +153,6 @@ def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> 
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
-    return loaded["common"]
 
 
 def _load_into(model, state_dict: dict, keep) -> None:

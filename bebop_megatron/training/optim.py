@@ -77,16 +77,19 @@ def build_optimizer(cfg: Config, ddp_model):
     return optimizer, scheduler
 
 
-def finalize_mtp_grads(model_chunks, num_tokens: torch.Tensor | None, pg_collection=None, **_):
+def finalize_mtp_grads(
+    model_chunks, num_tokens: torch.Tensor | None, pg_collection=None, force_all_reduce: bool = False, **_
+):
     """Megatron's ``finalize_model_grads`` restricted to the MTP stage.
 
     DP all-reduce (or reduce-scatter), the TP all-reduce of sequence-parallel norm grads, and
     the per-token scaling by the global count. No pipeline-group collectives: backbone-only
-    stages have no gradients and do not take part.
+    stages have no gradients and do not take part. ``force_all_reduce`` gives every rank
+    the full gradient also with the distributed optimizer (for inspection).
     """
     config = model_chunks[0].config
     for chunk in model_chunks:
-        chunk.finish_grad_sync()
+        chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
     _allreduce_non_tensor_model_parallel_grads(
         model_chunks, config, parallel_state.get_tensor_model_parallel_group()
     )

@@ -38,8 +38,13 @@ def run_microbatches(
     seq_length: int,
     micro_batch_size: int,
     has_mtp: bool,
+    force_all_reduce: bool = False,
 ) -> list:
-    """Returns the loss functions' per-micro-batch outputs (empty on backbone-only stages)."""
+    """Returns the loss functions' per-micro-batch outputs (empty on backbone-only stages).
+
+    ``force_all_reduce``: all-reduce gradients even with the distributed optimizer, so that
+    every rank holds the full gradient (for inspection and tests).
+    """
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return forward_backward_no_pipelining(
             forward_step_func=forward_step_func,
@@ -49,6 +54,7 @@ def run_microbatches(
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             forward_only=False,
+            force_all_reduce=force_all_reduce,
         )
     return _frozen_backbone_pipeline(
         forward_step_func=forward_step_func,
@@ -58,11 +64,12 @@ def run_microbatches(
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         has_mtp=has_mtp,
+        force_all_reduce=force_all_reduce,
     )
 
 
 def _frozen_backbone_pipeline(*, forward_step_func, data_iterator, model, num_microbatches,
-                              seq_length, micro_batch_size, has_mtp) -> list:
+                              seq_length, micro_batch_size, has_mtp, force_all_reduce) -> list:
     config = model.config
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     p2p = P2PCommunicator(pp_group=pp_group, config=config)
@@ -108,5 +115,9 @@ def _frozen_backbone_pipeline(*, forward_step_func, data_iterator, model, num_mi
             backward_step(None, output, None, config)
         total_num_tokens += num_tokens
     if last and config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func([model], total_num_tokens if config.calculate_per_token_loss else None)
+        config.finalize_model_grads_func(
+            [model],
+            total_num_tokens if config.calculate_per_token_loss else None,
+            force_all_reduce=force_all_reduce,
+        )
     return forward_data_store

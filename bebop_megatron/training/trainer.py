@@ -110,14 +110,14 @@ class Trainer:
         path = ckpt.latest_checkpoint(self.cfg.save.dir)
         if path is None:
             return
-        common = ckpt.load_training_checkpoint(path, self.model, self.optimizer, restore_rng=False)
-        same_layout = common.get("layout") == self._layout()
-        if same_layout:
-            ckpt.load_training_checkpoint(path, self.model, None, restore_rng=True)
+        common = ckpt.read_common_state(path)
+        # RNG streams are per rank: they only mean something under the same layout.
+        ckpt.load_training_checkpoint(
+            path, self.model, self.optimizer, restore_rng=common.get("layout") == self._layout()
+        )
         self.step = common["step"]
         self.consumed_samples = common["consumed_samples"]
-        if self.scheduler is not None:
-            self.scheduler.step(increment=self.step)
+        self.scheduler.step(increment=self.step)
         self.log(f"resumed from {path} at step {self.step} (samples consumed: {self.consumed_samples})")
 
     def save(self) -> str:
@@ -131,8 +131,12 @@ class Trainer:
 
     # ---------------------------------------------------------------- step
 
-    def forward_backward(self, micro_batches) -> list:
-        """Zero grads, then forward/backward over the step's micro-batches (grads finalized)."""
+    def forward_backward(self, micro_batches, force_all_reduce: bool = False) -> list:
+        """Zero grads, then forward/backward over the step's micro-batches (grads finalized).
+
+        ``force_all_reduce`` leaves the full gradient on every rank also with the
+        distributed optimizer (which otherwise reduce-scatters).
+        """
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         return run_microbatches(
@@ -145,6 +149,7 @@ class Trainer:
             seq_length=self.cfg.train.seq_length,
             micro_batch_size=self.cfg.train.micro_batch_size,
             has_mtp=self.has_mtp,
+            force_all_reduce=force_all_reduce,
         )
 
     def optimizer_step(self) -> torch.Tensor:
@@ -219,6 +224,9 @@ class Trainer:
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
         data = self.batches()
         start = time.perf_counter()
+        if self.step >= cfg.train.steps:
+            self.log(f"already at step {self.step} of train.steps={cfg.train.steps}: nothing to train")
+            return history
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
             metrics = self.train_step(next(data))

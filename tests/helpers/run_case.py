@@ -23,6 +23,7 @@ import torch.distributed as dist
 from bebop_megatron.config import load_config  # first: it quiets Megatron's start-up notices
 from megatron.core import dist_checkpointing
 from bebop_megatron.model import is_mtp_param
+from megatron.core import parallel_state
 from bebop_megatron.training import Trainer
 from bebop_megatron.training.checkpoint import (
     _filtered_sharded_state_dict,
@@ -47,11 +48,16 @@ def save_mtp_grads(path: str, trainer: Trainer) -> None:
 
 
 def optimizer_params(optimizer) -> list[torch.nn.Parameter]:
+    """The model parameters this rank's optimizer updates (its shard's, when distributed)."""
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     out = []
     for opt in chained:
-        for group in opt.param_groups:
-            out.extend(group["params"])
+        if hasattr(opt, "model_fp32_groups"):  # distributed optimizer: updates shards of these
+            for group in opt.model_float16_groups + opt.model_fp32_groups:
+                out.extend(group)
+        else:
+            for group in opt.param_groups:
+                out.extend(group["params"])
     return out
 
 
@@ -72,7 +78,9 @@ def main() -> None:
     history = []
     for step in range(cfg.train.steps):
         batches = next(data)
-        outputs = trainer.forward_backward(batches)
+        # Step 0 all-reduces (not reduce-scatters) so that the distributed optimizer's
+        # ranks each hold the full gradient for the comparison; the update is the same.
+        outputs = trainer.forward_backward(batches, force_all_reduce=step == 0)
         if step == 0:
             save_mtp_grads(os.path.join(args.out, "grads0"), trainer)
         norm = trainer.optimizer_step()
@@ -83,16 +91,20 @@ def main() -> None:
 
     # Backbone bit-identical on every rank; optimizer holds exactly the trainable params.
     identical = all(torch.equal(p, backbone[n]) for n, p in module.named_parameters() if n in backbone)
-    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    trainable = [p for p in module.parameters() if p.requires_grad]
     opt = optimizer_params(trainer.optimizer)
     opt_ids = {id(p) for p in opt}
+    # Every trainable parameter is updated by some data-parallel rank (all of them on every
+    # rank unless the optimizer is distributed), and nothing else is.
+    covered = torch.tensor([float(id(p) in opt_ids) for p in trainable])
+    dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
     counts = torch.tensor(
         [
             float(identical),
-            float(opt_ids == trainable),
+            float(bool(covered.all()) and opt_ids <= {id(p) for p in trainable}),
             float(all(is_mtp_param(n) for n, p in module.named_parameters() if id(p) in opt_ids)),
             float(sum(p.numel() for p in opt)),
-            float(sum(p.numel() for p in module.parameters() if p.requires_grad)),
+            float(sum(p.numel() for p in trainable)),
         ],
         dtype=torch.float64,
     )
@@ -102,7 +114,7 @@ def main() -> None:
         result = {
             "history": history,
             "backbone_identical": bool(flags[0]),
-            "optimizer_holds_exactly_trainable": bool(flags[1]),
+            "optimizer_updates_exactly_trainable": bool(flags[1]),
             "optimizer_params_all_mtp": bool(flags[2]),
             "rank0_optimizer_numel": int(counts[3]),
             "rank0_trainable_numel": int(counts[4]),

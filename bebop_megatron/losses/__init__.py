@@ -1,0 +1,23 @@
+"""MTP training objectives on logits: e2e TV (Eq. 13), per-step TV (Eq. 10), forward and reverse KL.
+
+Exact over the full (tensor-parallel sharded) vocabulary, chunked over positions, with
+analytic backward. ``reference`` holds the float64 plain-torch definitions the tests use.
+"""
+
+from bebop_megatron.losses.kernel_torch import STAT_KEYS
+from bebop_megatron.losses.tv import (
+    chain_lengths,
+    chain_mask,
+    e2e_tv_loss,
+    forward_kl_loss,
+    reverse_kl_loss,
+    tv_distance,
+    tv_loss,
+)
+
+OBJECTIVES = {"e2e_tv": e2e_tv_loss, "tv": tv_loss, "kl": forward_kl_loss, "reverse_kl": reverse_kl_loss}
+
+__all__ = [
+    "OBJECTIVES", "STAT_KEYS", "chain_lengths", "chain_mask", "e2e_tv_loss", "forward_kl_loss",
+    "reverse_kl_loss", "tv_distance", "tv_loss",
+]

@@ -1,0 +1,103 @@
+"""Float64 plain-torch references of the MTP objectives (used by the tests; also documentation).
+
+Straight from DESIGN.md section 1: full softmaxes, Python loops over positions and chain
+steps, autograd for gradients. Nothing here is chunked, vocabulary-parallel or analytic,
+and nothing is shared with the implementation in ``tv.py``.
+
+Legend: K MTP steps, N positions, V full vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+OBJECTIVES = ("e2e_tv", "tv", "kl", "reverse_kl")
+
+
+def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.double() / temperature, dim=-1)
+
+
+def chain_lengths(valid_KN: torch.Tensor) -> list[int]:
+    """K_t per position: the number of leading valid steps (a chain stops at its first invalid step)."""
+    K, N = valid_KN.shape
+    lengths = []
+    for t in range(N):
+        m = 0
+        while m < K and bool(valid_KN[m, t]):
+            m += 1
+        lengths.append(m)
+    return lengths
+
+
+def tv_distance(draft, target, target_temperature=1.0, draft_temperature=1.0) -> torch.Tensor:
+    """Eq. 10 per row: d_TV(p, q) = 1 - sum_v min(p(v), q(v)); target detached."""
+    p = probs(target.detach(), target_temperature)
+    q = probs(draft, draft_temperature)
+    return 1.0 - torch.minimum(p, q).sum(-1)
+
+
+def kl(first_logits, second_logits, first_temperature, second_temperature) -> torch.Tensor:
+    """KL(first || second) per row, with 0 log 0 = 0."""
+    log_a = torch.log_softmax(first_logits.double() / first_temperature, dim=-1)
+    log_b = torch.log_softmax(second_logits.double() / second_temperature, dim=-1)
+    a = log_a.exp()
+    return torch.where(a > 0, a * (log_a - log_b), 0.0).sum(-1)
+
+
+def per_step(kind, draft, target, target_temperature=1.0, draft_temperature=1.0) -> torch.Tensor:
+    """The per-step divergence ``[K, N]`` the objective is built from."""
+    if kind in ("e2e_tv", "tv"):
+        return tv_distance(draft, target, target_temperature, draft_temperature)
+    if kind == "kl":
+        return kl(target.detach(), draft, target_temperature, draft_temperature)
+    if kind == "reverse_kl":
+        return kl(draft, target.detach(), draft_temperature, target_temperature)
+    raise ValueError(kind)
+
+
+def objective(kind, draft, target, valid, target_temperature=1.0, draft_temperature=1.0, reduction="mean"):
+    """Scalar loss of DESIGN.md section 1 (e2e: Eq. 13 per position; others: mean per-step value)."""
+    K, N = valid.shape
+    d = per_step(kind, draft, target, target_temperature, draft_temperature)
+    total = torch.zeros((), dtype=torch.float64)
+    count = 0
+    for t, m in enumerate(chain_lengths(valid)):
+        if m == 0:
+            continue
+        count += 1
+        position = torch.zeros((), dtype=torch.float64)
+        accepted = torch.ones((), dtype=torch.float64)
+        for j in range(m):
+            if kind == "e2e_tv":
+                accepted = accepted * (1.0 - d[j, t])  # prod_{i<=j} alpha_i (Eq. 12)
+                position = position + (1.0 - accepted)
+            else:
+                position = position + d[j, t]
+        total = total + position / K
+    if reduction == "sum":
+        return total
+    return total / max(count, 1)
+
+
+def stats(draft, target, valid, target_temperature=1.0, draft_temperature=1.0) -> dict[str, torch.Tensor]:
+    """Per-step ``[K]`` sums over valid-chain positions: alpha_rs, alpha_to, H(p), H(q), KL(p||q), count."""
+    K, N = valid.shape
+    with torch.no_grad():
+        p = probs(target, target_temperature)
+        q = probs(draft, draft_temperature)
+        rows = {
+            "alpha_rs": torch.minimum(p, q).sum(-1),
+            # argmax on the scaled logits as the implementation sees them (first maximal index)
+            "alpha_to": p.gather(-1, (draft.double() / draft_temperature).argmax(-1, keepdim=True)).squeeze(-1),
+            "entropy_target": -torch.where(p > 0, p * p.log(), 0.0).sum(-1),
+            "entropy_draft": -torch.where(q > 0, q * q.log(), 0.0).sum(-1),
+            "kl": kl(target, draft, target_temperature, draft_temperature),
+        }
+        out = {name: torch.zeros(K, dtype=torch.float64) for name in [*rows, "count"]}
+        for t, m in enumerate(chain_lengths(valid)):
+            for k in range(m):
+                for name, row in rows.items():
+                    out[name][k] += row[k, t]
+                out["count"][k] += 1
+    return out

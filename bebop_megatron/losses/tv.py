@@ -1,0 +1,230 @@
+"""Functional entry points of the MTP objectives: e2e TV, per-step TV, forward KL, reverse KL.
+
+Legend: K MTP steps, N positions, V_local this TP rank's vocabulary shard (rank r holds the
+global columns ``r*V_local : (r+1)*V_local``; the shards have equal size, as Megatron pads
+the vocabulary).
+
+All objectives share one normaliser (DESIGN.md section 1): position t's chain holds its
+K_t leading valid steps (a chain stops at its first invalid step), its loss L_t is divided
+by K, and ``reduction="mean"`` averages L_t over the positions with K_t >= 1 (a tensor
+count, 0 loss when there is none, no host sync); ``reduction="sum"`` returns sum_t L_t so
+the caller can divide by the count of the whole global batch.
+
+Math is exact over the full vocabulary, max-subtracted, in float32 for bf16/fp16/fp32
+logits and float64 for float64 logits, chunked over ``chunk_tokens`` positions (all K steps
+of a chunk at once); see ``functions.py`` for what backward saves. Invalid positions are
+computed and masked out (no data-dependent shapes), so their logits must be finite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bebop_megatron.losses.functions import DivergenceOptions, E2EChain, VocabDivergence
+from bebop_megatron.losses.kernel_torch import STAT_KEYS
+
+IMPLS = ("torch",)
+REDUCTIONS = ("mean", "sum")
+
+
+def chain_mask(valid_KN: torch.Tensor) -> torch.Tensor:
+    """Bool ``[K, N]``: step k is valid at t and so are all earlier steps of t's chain."""
+    return (valid_KN != 0).to(torch.int8).cumprod(dim=0).bool()
+
+
+def chain_lengths(valid_KN: torch.Tensor) -> torch.Tensor:
+    """LongTensor ``[N]``: K_t, the number of leading valid steps of each position's chain."""
+    return chain_mask(valid_KN).sum(dim=0)
+
+
+def _check_common(impl: str, target_temperature: float, draft_temperature: float, chunk_tokens: int) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} (the Triton kernel is not implemented yet), got {impl!r}")
+    for name, tau in (("target_temperature", target_temperature), ("draft_temperature", draft_temperature)):
+        if not tau > 0:
+            raise ValueError(f"{name} must be > 0, got {tau!r}")
+    if not (isinstance(chunk_tokens, int) and chunk_tokens >= 1):
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+
+
+def _objective(kind, draft_logits, target_logits, valid, *, tp_group, target_temperature, draft_temperature,
+               reduction, chunk_tokens, return_stats, grad_in_forward, impl):
+    _check_common(impl, target_temperature, draft_temperature, chunk_tokens)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if draft_logits.dim() != 3 or draft_logits.shape != target_logits.shape:
+        raise ValueError(
+            f"draft_logits and target_logits must both be [K, N, V_local], got {tuple(draft_logits.shape)} "
+            f"and {tuple(target_logits.shape)}"
+        )
+    if tuple(valid.shape) != tuple(draft_logits.shape[:2]):
+        raise ValueError(f"valid must be [K, N] = {tuple(draft_logits.shape[:2])}, got {tuple(valid.shape)}")
+    K = draft_logits.shape[0]
+    opts = DivergenceOptions(
+        kind="tv" if kind == "e2e_tv" else kind, target_temperature=float(target_temperature),
+        draft_temperature=float(draft_temperature), tp_group=tp_group, chunk_tokens=chunk_tokens,
+        with_stats=return_stats, grad_in_forward=grad_in_forward,
+    )
+    value_KN, stats_CKN = VocabDivergence.apply(draft_logits, target_logits.detach(), opts)
+    chain_KN = chain_mask(valid)
+    if kind == "e2e_tv":
+        loss_N = E2EChain.apply(value_KN, chain_KN)
+    else:
+        loss_N = torch.where(chain_KN, value_KN, 0.0).sum(0) / K
+    loss = loss_N.sum()
+    if reduction == "mean":
+        num_positions = chain_KN[0].sum().to(loss.dtype)  # positions with K_t >= 1
+        loss = loss / num_positions.clamp(min=1.0)
+    if not return_stats:
+        return loss
+    sums_CK = torch.where(chain_KN, stats_CKN, 0.0).sum(-1)
+    stats = dict(zip(STAT_KEYS, sums_CK.unbind(0)))
+    stats["count"] = chain_KN.sum(-1).to(sums_CK.dtype)
+    return loss, stats
+
+
+_COMMON_DOC = """
+    Args:
+        draft_logits: ``[K, N, V_local]`` draft (MTP) logits, step k in row k; any float dtype.
+        target_logits: ``[K, N, V_local]`` backbone logits already aligned to the draft's
+            position (step k's target is the backbone at t + k); treated as detached.
+        valid: bool ``[K, N]``; a chain stops at its first invalid step (later steps of that
+            position are ignored even where ``valid`` is set).
+        tp_group: the tensor-parallel group the vocabulary is sharded over (None: not sharded).
+        target_temperature, draft_temperature: logits are divided by them before the softmax.
+        reduction: "mean" (over positions with K_t >= 1; 0 when none) or "sum" (sum_t L_t).
+        chunk_tokens: positions per chunk; at most K x chunk_tokens x V_local compute-dtype
+            temporaries (a few of them) are alive at once, in forward and in backward.
+        return_stats: also return ``stats``, a dict of ``[K]`` sums over each step's
+            valid-chain positions: ``alpha_rs`` (sum_v min(p, q)), ``alpha_to`` (p at the
+            argmax of q, ties to the lowest global index), ``entropy_target`` H(p),
+            ``entropy_draft`` H(q), ``kl`` KL(p||q), and ``count`` (positions). Sums, so
+            callers can reduce them across micro-batches and ranks.
+        grad_in_forward: compute d loss / d draft_logits during the forward and store it
+            (one more logits-sized buffer) instead of recomputing the softmaxes in backward.
+        impl: "torch" (chunked plain torch; the only one so far).
+
+    Returns the scalar loss in the compute dtype (float32, or float64 for float64 logits),
+    differentiable w.r.t. ``draft_logits`` only; ``(loss, stats)`` with ``return_stats``.
+    With ``tp_group``, every rank returns the same loss and its own shard of the gradient,
+    equal to the TP=1 result on the concatenated shards.
+"""
+
+_EQUIVALENT_PREFIX = """
+        p = torch.softmax(target_logits.double() / target_temperature, -1)  # [K, N, V] full vocabulary
+        q = torch.softmax(draft_logits.double() / draft_temperature, -1)
+        chain = valid.long().cumprod(0).bool()                              # K_t leading valid steps
+        num = chain[0].sum()                                                # positions with K_t >= 1"""
+
+_EQUIVALENT_SUFFIX = """
+        loss = per_pos.sum() / num.clamp(min=1)  # reduction="mean"; per_pos.sum() for "sum"
+"""
+
+
+def _doc(summary: str, body: str) -> str:
+    return summary + "\n\n    Plain-torch equivalent (full logits materialised; differentiated w.r.t. draft_logits)::\n" + \
+        _EQUIVALENT_PREFIX + body + _EQUIVALENT_SUFFIX + _COMMON_DOC
+
+
+def e2e_tv_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
+                draft_temperature=1.0, reduction="mean", chunk_tokens=4096, return_stats=False,
+                grad_in_forward=False, impl="torch"):
+    return _objective("e2e_tv", draft_logits, target_logits, valid, tp_group=tp_group,
+                      target_temperature=target_temperature, draft_temperature=draft_temperature,
+                      reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
+                      grad_in_forward=grad_in_forward, impl=impl)
+
+
+def tv_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
+            draft_temperature=1.0, reduction="mean", chunk_tokens=4096, return_stats=False,
+            grad_in_forward=False, impl="torch"):
+    return _objective("tv", draft_logits, target_logits, valid, tp_group=tp_group,
+                      target_temperature=target_temperature, draft_temperature=draft_temperature,
+                      reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
+                      grad_in_forward=grad_in_forward, impl=impl)
+
+
+def forward_kl_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
+                    draft_temperature=1.0, reduction="mean", chunk_tokens=4096, return_stats=False,
+                    grad_in_forward=False, impl="torch"):
+    return _objective("kl", draft_logits, target_logits, valid, tp_group=tp_group,
+                      target_temperature=target_temperature, draft_temperature=draft_temperature,
+                      reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
+                      grad_in_forward=grad_in_forward, impl=impl)
+
+
+def reverse_kl_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
+                    draft_temperature=1.0, reduction="mean", chunk_tokens=4096, return_stats=False,
+                    grad_in_forward=False, impl="torch"):
+    return _objective("reverse_kl", draft_logits, target_logits, valid, tp_group=tp_group,
+                      target_temperature=target_temperature, draft_temperature=draft_temperature,
+                      reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
+                      grad_in_forward=grad_in_forward, impl=impl)
+
+
+e2e_tv_loss.__doc__ = _doc(
+    """End-to-end TV loss (Eq. 13): 1 - the chain's per-step acceptance products, averaged over steps.
+
+    Per position, L_t = (1/K) sum_{j=1..K_t} (1 - prod_{i<=j} (1 - d_TV(p_i, q_i))); equals
+    Eq. 13 when K_t = K. prod_{i<=j} alpha_i is the term of the expected accepted length
+    (Eq. 12), so earlier steps weigh more. d_TV is Eq. 10; its gradient Eq. 11; the chain
+    rule through the products uses prefix/suffix products (no division by 1 - d_TV).""",
+    """
+        d = 1 - torch.minimum(p, q).sum(-1)                                 # Eq. 10, [K, N]
+        acc = torch.where(chain, 1 - d, 0).cumprod(0)                       # prod_{i<=j} alpha_i (Eq. 12)
+        per_pos = torch.where(chain, 1 - acc, 0).sum(0) / K                 # Eq. 13 per position""",
+)
+tv_loss.__doc__ = _doc(
+    """Per-step TV loss (Eq. 10), averaged over each chain's valid steps with the shared normaliser.
+
+    Per position, L_t = (1/K) sum_{k=1..K_t} d_TV(p_k, q_k) with d_TV = 1 - sum_v min(p, q)
+    (Eq. 10) and gradient dL/dz_j = -q_j (1[q_j <= p_j] - S) / tau_d, S = sum_v 1[q_v <= p_v] q_v
+    (Eq. 11, ties count as "<="). The mean is over positions with K_t >= 1, not over steps.""",
+    """
+        d = 1 - torch.minimum(p, q).sum(-1)                                 # Eq. 10, [K, N]
+        per_pos = torch.where(chain, d, 0).sum(0) / K""",
+)
+forward_kl_loss.__doc__ = _doc(
+    """Forward KL(p || q) per step (gradient (q - p) / tau_d, as soft cross-entropy), same normaliser.
+
+    Per position, L_t = (1/K) sum_{k=1..K_t} KL(p_k || q_k).""",
+    """
+        d = (p * (p.log() - q.log())).sum(-1)                               # KL(p||q), 0 log 0 = 0
+        per_pos = torch.where(chain, d, 0).sum(0) / K""",
+)
+reverse_kl_loss.__doc__ = _doc(
+    """Reverse KL(q || p) per step (gradient q_j [log(q_j / p_j) - KL(q||p)] / tau_d), same normaliser.
+
+    Per position, L_t = (1/K) sum_{k=1..K_t} KL(q_k || p_k).""",
+    """
+        d = (q * (q.log() - p.log())).sum(-1)                               # KL(q||p), 0 log 0 = 0
+        per_pos = torch.where(chain, d, 0).sum(0) / K""",
+)
+
+
+def tv_distance(draft_logits, target_logits, *, tp_group=None, target_temperature=1.0, draft_temperature=1.0,
+                chunk_tokens=4096, grad_in_forward=False, impl="torch"):
+    """Per-row d_TV(softmax(target / tau_t), softmax(draft / tau_d)) (Eq. 10), ``[N]``.
+
+    Plain-torch equivalent (differentiated w.r.t. draft_logits; gradient Eq. 11)::
+
+        p = torch.softmax(target_logits.double() / target_temperature, -1)  # [N, V] full vocabulary
+        q = torch.softmax(draft_logits.double() / draft_temperature, -1)
+        d = 1 - torch.minimum(p, q).sum(-1)                                 # = 0.5 * (p - q).abs().sum(-1)
+
+    ``draft_logits``, ``target_logits``: ``[N, V_local]``, the vocabulary sharded across
+    ``tp_group`` when given (every rank gets the same ``[N]``). Computed in float32
+    (float64 for float64 logits) in chunks of ``chunk_tokens`` rows.
+    """
+    _check_common(impl, target_temperature, draft_temperature, chunk_tokens)
+    if draft_logits.dim() != 2 or draft_logits.shape != target_logits.shape:
+        raise ValueError(
+            f"draft_logits and target_logits must both be [N, V_local], got {tuple(draft_logits.shape)} "
+            f"and {tuple(target_logits.shape)}"
+        )
+    opts = DivergenceOptions(
+        kind="tv", target_temperature=float(target_temperature), draft_temperature=float(draft_temperature),
+        tp_group=tp_group, chunk_tokens=chunk_tokens, grad_in_forward=grad_in_forward,
+    )
+    value_KN, _ = VocabDivergence.apply(draft_logits[None], target_logits.detach()[None], opts)
+    return value_KN[0]
