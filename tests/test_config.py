@@ -275,3 +275,9 @@ def test_every_schema_field_is_reachable_by_override():
         rendered = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
         cfg = load_config(None, [f"{key}={rendered}"])
         assert cfg == Config(), key
+
+
+def test_moe_with_tensor_parallel_needs_sequence_parallel():
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, ["model.family=moe", "model.num_experts=4", "parallel.tensor=2"])
+    _assert_one_line_error(excinfo, "parallel.sequence_parallel")

@@ -147,6 +147,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts]")
         if m.num_experts % p.expert:
             raise ConfigError(f"parallel.expert={p.expert} must divide model.num_experts={m.num_experts}")
+        if p.tensor > 1 and not p.sequence_parallel:
+            raise ConfigError(  # Megatron-Core's own rule for MoE training
+                f"parallel.tensor={p.tensor} with model.family=moe needs parallel.sequence_parallel=true"
+            )
     else:
         if p.expert > 1:
             raise ConfigError(f"parallel.expert={p.expert} needs model.family=moe (a dense model has no experts)")

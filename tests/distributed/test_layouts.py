@@ -40,6 +40,11 @@ LAYOUTS = {
     "dp2": ("dense", [], "init_checkpoint"),
     "dp2_distributed_optimizer": ("dense", ["parallel.distributed_optimizer=true"], "init_checkpoint"),
     "ep2": ("moe", ["parallel.expert=2"], "init_checkpoint"),
+    "tp2_sp_ep2_etp1": (
+        "moe",
+        ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2", "parallel.expert_tensor=1"],
+        "init_checkpoint",
+    ),
 }
 
 
