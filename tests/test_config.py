@@ -160,7 +160,8 @@ def test_expert_parallel_not_dividing_data_times_tensor():
         (["parallel.pipeline=2", "train.global_batch_size=32"], 8,
          {"data": 4, "expert_tensor": 1, "num_microbatches": 2}),
         (["model.family=moe", "model.num_experts=4", "parallel.expert=2", "parallel.expert_tensor=1",
-          "parallel.tensor=2"], 2, {"data": 1, "expert_tensor": 1, "num_microbatches": 2}),
+          "parallel.tensor=2", "parallel.sequence_parallel=true"], 2,
+         {"data": 1, "expert_tensor": 1, "num_microbatches": 2}),
     ],
 )
 def test_parallel_sizes_valid(overrides, world, expected):

@@ -5,15 +5,15 @@ Legend: K MTP steps, N positions, V this TP rank's vocabulary shard, C stacked r
 Two Functions compose every objective:
 
 - ``VocabDivergence``: per-row d_TV / KL(p||q) / KL(q||p) ``[K, N]`` over the (sharded)
-  vocabulary, chunked over positions; backward = incoming per-row gradient x the row's
+  vocabulary, chunked over rows; backward = incoming per-row gradient x the row's
   analytic direction (Eq. 11 for TV).
 - ``E2EChain``: the end-to-end product of Eq. 13 over a chain of per-step TVs, per position;
   backward by prefix/suffix products (no division by 1 - d_i, which may be 0).
 
 What is saved for backward (default, ``grad_in_forward=False``): the logits the caller
 already holds plus five per-row scalars (max and sum-exp of q and p, and S or KL(q||p));
-backward recomputes the softmaxes chunk by chunk. This keeps the loss's own memory at
-O(K x chunk x V) at the price of one more exp pass per element. ``grad_in_forward=True``
+backward recomputes the softmaxes chunk by chunk. This keeps the loss's own memory at a
+few ``chunk_tokens x V`` buffers at the price of one more exp pass per element. ``grad_in_forward=True``
 instead stores d value/d logits (a ``[K, N, V]`` buffer in the logits' dtype) during the
 forward and only rescales it in backward: faster, one more logits-sized tensor alive.
 """
@@ -24,7 +24,17 @@ from dataclasses import dataclass
 
 import torch
 
-from bebop_megatron.losses.kernel_torch import SAVED_ROWS, STAT_KEYS, compute_dtype, forward_rows, grad_rows
+from bebop_megatron.losses.kernel_torch import (
+    SAVED_ROWS,
+    STAT_KEYS,
+    Workspace,
+    compute_dtype,
+    forward_rows,
+    grad_rows,
+)
+
+
+DEFAULT_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -33,72 +43,84 @@ class DivergenceOptions:
     target_temperature: float = 1.0
     draft_temperature: float = 1.0
     tp_group: object = None
-    chunk_tokens: int = 4096
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # rows (token positions of any step) per kernel call
     with_stats: bool = False
     grad_in_forward: bool = False
+
+
+def _chunks(num_rows: int, chunk_tokens: int):
+    for start in range(0, num_rows, chunk_tokens):
+        yield slice(start, min(start + chunk_tokens, num_rows))
 
 
 class VocabDivergence(torch.autograd.Function):
     """(draft ``[K, N, V]``, target ``[K, N, V]``) -> (value ``[K, N]``, stats ``[C, K, N]``).
 
-    Differentiable w.r.t. the draft logits only; ``stats`` (``STAT_KEYS`` per row, empty
-    when not asked for) is not differentiable.
+    The K x N rows are processed ``chunk_tokens`` at a time (steps one after another for
+    contiguous logits). Differentiable w.r.t. the draft logits only; ``stats``
+    (``STAT_KEYS`` per row, empty when not asked for) is not differentiable.
     """
 
     @staticmethod
     def forward(ctx, draft_KNV: torch.Tensor, target_KNV: torch.Tensor, opts: DivergenceOptions):
-        K, N, _ = draft_KNV.shape
+        K, N, V = draft_KNV.shape
+        draft_RV, target_RV = draft_KNV.reshape(K * N, V), target_KNV.reshape(K * N, V)
         dtype = compute_dtype(draft_KNV.dtype, target_KNV.dtype)
-        value_KN = draft_KNV.new_empty((K, N), dtype=dtype)
-        saved_CKN = draft_KNV.new_empty((len(SAVED_ROWS), K, N), dtype=dtype)
-        num_stats = len(STAT_KEYS) if opts.with_stats else 0
-        stats_CKN = draft_KNV.new_empty((num_stats, K, N), dtype=dtype)
+        value_R = draft_KNV.new_empty(K * N, dtype=dtype)
+        saved_CR = draft_KNV.new_empty((len(SAVED_ROWS), K * N), dtype=dtype)
+        stats_CR = draft_KNV.new_empty((len(STAT_KEYS) if opts.with_stats else 0, K * N), dtype=dtype)
         store_grad = ctx.needs_input_grad[0] and opts.grad_in_forward
-        grad_KNV = torch.empty_like(draft_KNV) if store_grad else None
-        for start in range(0, N, opts.chunk_tokens):
-            rows = slice(start, min(start + opts.chunk_tokens, N))
+        grad_RV = torch.empty_like(draft_RV) if store_grad else None
+        ws = Workspace()
+        for rows in _chunks(K * N, opts.chunk_tokens):
             out = forward_rows(
-                draft_KNV[:, rows], target_KNV[:, rows], kind=opts.kind,
+                draft_RV[rows], target_RV[rows], kind=opts.kind,
                 target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature,
-                tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=store_grad,
+                tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=store_grad, ws=ws,
             )
-            value_KN[:, rows] = out.value_R
-            saved_CKN[:, :, rows] = out.saved_CR
+            value_R[rows] = out.value_R
+            saved_CR[:, rows] = out.saved_CR
             if opts.with_stats:
-                stats_CKN[:, :, rows] = out.stats_CR
+                stats_CR[:, rows] = out.stats_CR
             if store_grad:
-                grad_KNV[:, rows] = out.grad_RV
+                grad_RV[rows].copy_(out.grad_RV)
         ctx.opts = opts
         ctx.store_grad = store_grad
         if store_grad:
-            ctx.save_for_backward(grad_KNV)
+            ctx.save_for_backward(grad_RV)
         elif ctx.needs_input_grad[0]:
-            ctx.save_for_backward(draft_KNV, target_KNV, saved_CKN)
+            ctx.save_for_backward(draft_KNV, target_KNV, saved_CR)
+        stats_CKN = stats_CR.view(-1, K, N)
         ctx.mark_non_differentiable(stats_CKN)
-        return value_KN, stats_CKN
+        return value_R.view(K, N), stats_CKN
 
     @staticmethod
     def backward(ctx, grad_value_KN: torch.Tensor, _grad_stats):
         if not ctx.needs_input_grad[0]:
             return None, None, None
         opts = ctx.opts
+        K, N = grad_value_KN.shape
+        grad_value_R = grad_value_KN.reshape(K * N)
         if ctx.store_grad:
-            (stored_KNV,) = ctx.saved_tensors  # rescaled out of place: a retained graph may run backward again
+            (stored_RV,) = ctx.saved_tensors  # rescaled out of place: a retained graph may run backward again
+            V = stored_RV.shape[-1]
         else:
-            draft_KNV, target_KNV, saved_CKN = ctx.saved_tensors
-        grad_KNV = torch.empty_like(stored_KNV if ctx.store_grad else draft_KNV)
-        N = grad_KNV.shape[1]
-        for start in range(0, N, opts.chunk_tokens):
-            rows = slice(start, min(start + opts.chunk_tokens, N))
+            draft_KNV, target_KNV, saved_CR = ctx.saved_tensors
+            V = draft_KNV.shape[-1]
+            draft_RV, target_RV = draft_KNV.reshape(K * N, V), target_KNV.reshape(K * N, V)
+        grad_RV = torch.empty_like(stored_RV if ctx.store_grad else draft_RV)
+        ws = Workspace()
+        for rows in _chunks(K * N, opts.chunk_tokens):
             if ctx.store_grad:
-                g = stored_KNV[:, rows].to(grad_value_KN.dtype, copy=True)
+                chunk = stored_RV[rows]
+                g = torch.mul(chunk, grad_value_R[rows, None], out=ws.take("grad", chunk, grad_value_R.dtype))
             else:
                 g = grad_rows(
-                    draft_KNV[:, rows], target_KNV[:, rows], saved_CKN[:, :, rows], kind=opts.kind,
-                    target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature,
+                    draft_RV[rows], target_RV[rows], saved_CR[:, rows], grad_value_R[rows], kind=opts.kind,
+                    target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature, ws=ws,
                 )
-            grad_KNV[:, rows] = g.mul_(grad_value_KN[:, rows, None].to(g.dtype))
-        return grad_KNV, None, None
+            grad_RV[rows].copy_(g)
+        return grad_RV.view(K, N, V), None, None
 
 
 class E2EChain(torch.autograd.Function):

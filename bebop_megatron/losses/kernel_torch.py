@@ -3,16 +3,20 @@
 Legend: R rows of one chunk (any leading shape, e.g. ``[K, n]``), V this TP rank's
 vocabulary shard (rank r holds the global columns ``r*V : (r+1)*V``).
 
-One call handles one chunk of rows; everything it allocates is a few ``R x V`` tensors in
-the compute dtype. Every full-vocabulary row quantity (max, sum-exp, |p - q|, S,
-entropies, KL terms, p at the argmax of q) is all-reduced over ``tp_group``, so each rank
-holds the same per-row scalars as TP=1 and its own shard of the gradient. The backward
-needs no collective: it recomputes p and q from the saved per-row max and sum-exp with
-exactly the forward's operations (so the mask ``q <= p`` is the one S was summed over).
+One call handles one chunk of rows. Its ``R x V`` temporaries live in a ``Workspace``
+reused by every chunk of a call (fresh large allocations cost page faults that dominate
+these memory-bound passes on CPU): four compute-dtype buffers for TV without stats (the
+shifted logits' buffers are reused once p and q are known), six otherwise. Every
+full-vocabulary row quantity (max, sum-exp, |p - q|, S, entropies, KL terms, p at the
+argmax of q) is all-reduced over ``tp_group``, so each rank holds the same per-row scalars
+as TP=1 and its own shard of the gradient. The backward needs no collective: it recomputes
+p and q from the saved per-row max and sum-exp with exactly the forward's operations (so
+the mask ``q <= p`` is the one S was summed over).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,46 +36,65 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return out
 
 
+class Workspace:
+    """Named flat buffers handed out as views of the requested shape, reused across chunks."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(like.shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(numel, dtype=dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(like.shape)
+
+
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
 
 
-def _scaled(logits_RV: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh compute-dtype copy of ``logits / temperature`` (later shifted in place)."""
-    out = logits_RV.to(dtype, copy=True)
+def _q_where_le(q_RV, p_RV, out_RV) -> torch.Tensor:
+    """q * 1[q <= p] (ties count as "<="); the mask is made as 0/1 floats in ``out_RV``
+    because multiplying by a bool tensor is several times slower on CPU."""
+    return torch.le(q_RV, p_RV, out=out_RV).mul_(q_RV)
+
+
+def _shifted(logits_RV, max_R, temperature: float, out_RV) -> torch.Tensor:
+    """(logits - max) / temperature in the compute dtype; max is of the unscaled logits."""
+    torch.sub(logits_RV, max_R[..., None], out=out_RV)
     if temperature != 1.0:
-        out.div_(temperature)
-    return out
+        out_RV.div_(temperature)
+    return out_RV
 
 
-def _log_probs_and_probs(shifted_RV: torch.Tensor, exp_RV: torch.Tensor, sumexp_R: torch.Tensor):
-    """Rows shifted by their global max, and their exp -> (log-probs, probs), both in place.
+def _zero_nan_(t: torch.Tensor) -> torch.Tensor:
+    """0 log 0 = 0: a zero probability from a -inf logit gives 0 * -inf = nan; infinities stay."""
+    return t.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
 
-    Forward and backward both go through here, so p and q are bitwise the same in both.
+
+def _sum_plogratio(w_RV, log_w_RV, log_other_RV, out_RV) -> torch.Tensor:
+    """sum_v w (log w - log other), 0 where w = 0."""
+    return _zero_nan_(torch.sub(log_w_RV, log_other_RV, out=out_RV).mul_(w_RV)).sum(-1)
+
+
+def direction(kind, q_RV, p_RV, logq_RV, logp_RV, q_where_le_RV, aux_R, scale_R, out_RV) -> torch.Tensor:
+    """``scale_R`` x d value / d (scaled draft logits), per row, into ``out_RV``.
+
+    ``q_where_le_RV`` (tv only) holds q * 1[q <= p] and is overwritten (it may be ``out_RV``).
     """
-    return shifted_RV.sub_(sumexp_R.log()[..., None]), exp_RV.div_(sumexp_R[..., None])
-
-
-def _xlogy_sum(w_RV: torch.Tensor, log_ratio_RV: torch.Tensor) -> torch.Tensor:
-    """sum_v w * log_ratio with 0 * anything = 0 (zero-probability entries, -inf logits)."""
-    return torch.where(w_RV > 0, w_RV * log_ratio_RV, 0.0).sum(-1)
-
-
-def direction(kind: str, q_RV, p_RV, logq_RV, logp_RV, aux_R, draft_temperature: float) -> torch.Tensor:
-    """d value / d draft logits per row (before scaling by the incoming gradient)."""
     if kind == "tv":
-        # Eq. 11: dL_TV/dz_j = -q_j (1[q_j <= p_j] - S); ties count as "<=".
-        out = torch.where(q_RV <= p_RV, aux_R[..., None] - 1.0, aux_R[..., None]).mul_(q_RV)
+        # Eq. 11: dL_TV/dz_j = -q_j (1[q_j <= p_j] - S) = S q_j - q_j 1[q_j <= p_j]; ties count as "<=".
+        out_RV = torch.neg(q_where_le_RV, out=out_RV).addcmul_(q_RV, aux_R[..., None])
     elif kind == "kl":
-        out = q_RV - p_RV  # d KL(p||q) / dz = q - p (soft cross-entropy)
+        torch.sub(q_RV, p_RV, out=out_RV)  # d KL(p||q) / dz = q - p (soft cross-entropy)
     else:
-        # d KL(q||p) / dz_j = q_j [log(q_j / p_j) - KL(q||p)]
-        out = torch.where(q_RV > 0, q_RV * (logq_RV - logp_RV - aux_R[..., None]), 0.0)
-    if draft_temperature != 1.0:
-        out.div_(draft_temperature)
-    return out
+        # d KL(q||p) / dz_j = q_j [log(q_j / p_j) - KL(q||p)]; 0 where q_j = 0
+        _zero_nan_(torch.sub(logq_RV, logp_RV, out=out_RV).sub_(aux_R[..., None]).mul_(q_RV))
+    return out_RV.mul_(scale_R[..., None])
 
 
 @dataclass
@@ -79,91 +102,96 @@ class RowResult:
     value_R: torch.Tensor  # the divergence per row (d_TV, KL(p||q) or KL(q||p))
     saved_CR: torch.Tensor  # SAVED_ROWS stacked
     stats_CR: torch.Tensor | None  # STAT_KEYS stacked (per row, not yet summed)
-    grad_RV: torch.Tensor | None  # d value / d draft logits (compute dtype), when asked for
+    grad_RV: torch.Tensor | None  # d value / d draft logits (a workspace view), when asked for
 
 
-def forward_rows(
-    draft_RV: torch.Tensor,
-    target_RV: torch.Tensor,
-    *,
-    kind: str,
-    target_temperature: float,
-    draft_temperature: float,
-    tp_group,
-    with_stats: bool,
-    with_grad: bool,
-) -> RowResult:
+def _probs(draft_RV, target_RV, max_q, max_p, *, target_temperature, draft_temperature, ws, dtype):
+    """Shifted logits and unnormalised probabilities of q and p (workspace views)."""
+    logq = _shifted(draft_RV, max_q, draft_temperature, ws.take("logq", draft_RV, dtype))
+    logp = _shifted(target_RV, max_p, target_temperature, ws.take("logp", target_RV, dtype))
+    q = torch.exp(logq, out=ws.take("q", draft_RV, dtype))
+    p = torch.exp(logp, out=ws.take("p", draft_RV, dtype))
+    return logq, logp, q, p
+
+
+def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_temperature, tp_group,
+                 with_stats, with_grad, ws: Workspace) -> RowResult:
     """Full-vocabulary divergence of one chunk of rows; see the module docstring."""
     dtype = compute_dtype(draft_RV.dtype, target_RV.dtype)
-    logq = _scaled(draft_RV, draft_temperature, dtype)
-    logp = _scaled(target_RV, target_temperature, dtype)
-
     if with_stats:
-        local_max_q, local_arg_q = logq.max(dim=-1)  # first maximal index on this shard
+        local_max_q, local_arg_q = draft_RV.max(dim=-1)  # first maximal index on this shard
     else:
-        local_max_q = logq.amax(dim=-1)
-    maxes = _all_reduce(torch.stack([local_max_q, logp.amax(dim=-1)]), dist.ReduceOp.MAX, tp_group)
-    max_q, max_p = maxes[0], maxes[1]
-    logq.sub_(max_q[..., None])
-    logp.sub_(max_p[..., None])
-    q, p = logq.exp(), logp.exp()  # unnormalised until the global sum-exp is known
-    sumexp = _all_reduce(torch.stack([q.sum(-1), p.sum(-1)]), dist.ReduceOp.SUM, tp_group)
-    logq, q = _log_probs_and_probs(logq, q, sumexp[0])
-    logp, p = _log_probs_and_probs(logp, p, sumexp[1])
+        local_max_q = draft_RV.amax(dim=-1)
+    maxes = torch.stack([local_max_q.to(dtype), target_RV.amax(dim=-1).to(dtype)])
+    max_q, max_p = _all_reduce(maxes, dist.ReduceOp.MAX, tp_group).unbind(0)
+    logq, logp, q, p = _probs(draft_RV, target_RV, max_q, max_p, target_temperature=target_temperature,
+                              draft_temperature=draft_temperature, ws=ws, dtype=dtype)
+    sumexp_q, sumexp_p = _all_reduce(torch.stack([q.sum(-1), p.sum(-1)]), dist.ReduceOp.SUM, tp_group).unbind(0)
+    q.div_(sumexp_q[..., None])
+    p.div_(sumexp_p[..., None])
+    need_logs = kind != "tv" or with_stats
+    if need_logs:
+        logq.sub_(sumexp_q.log()[..., None])
+        logp.sub_(sumexp_p.log()[..., None])
 
     # Local partial sums over this vocabulary shard, all-reduced together below.
     parts: dict[str, torch.Tensor] = {}
+    # Without logs (TV, no stats) the shifted-logit buffers are free once p and q exist.
+    scratch = ws.take("scratch" if need_logs else "logq", draft_RV, dtype)
     if kind == "tv" or with_stats:
-        parts["tv"] = (p - q).abs_().sum(-1).mul_(0.5)  # Eq. 10: d_TV = 1 - sum min(p, q)
+        parts["tv"] = torch.sub(p, q, out=scratch).abs_().sum(-1).mul_(0.5)  # Eq. 10: = 1 - sum min(p, q)
+    q_where_le = None
     if kind == "tv":
-        parts["aux"] = torch.where(q <= p, q, 0.0).sum(-1)  # S of Eq. 11
+        q_where_le = _q_where_le(q, p, ws.take("q_where_le" if need_logs else "logp", draft_RV, dtype))
+        parts["aux"] = q_where_le.sum(-1)  # S of Eq. 11
     if kind == "kl" or with_stats:
-        parts["kl"] = _xlogy_sum(p, logp - logq)
+        parts["kl"] = _sum_plogratio(p, logp, logq, scratch)
     if kind == "reverse_kl":
-        parts["reverse_kl"] = parts["aux"] = _xlogy_sum(q, logq - logp)
+        parts["reverse_kl"] = parts["aux"] = _sum_plogratio(q, logq, logp, scratch)
     if with_stats:
-        parts["entropy_target"] = -_xlogy_sum(p, logp)
-        parts["entropy_draft"] = -_xlogy_sum(q, logq)
+        parts["entropy_target"] = -_zero_nan_(torch.mul(p, logp, out=scratch)).sum(-1)
+        parts["entropy_draft"] = -_zero_nan_(torch.mul(q, logq, out=scratch)).sum(-1)
         # Vocabulary-parallel argmax of q: lowest global index among the ranks holding the max.
         num_local = draft_RV.shape[-1]
         start = num_local * (dist.get_rank(tp_group) if tp_group is not None else 0)
-        big = torch.iinfo(torch.long).max
-        index = torch.where(local_max_q == max_q, local_arg_q + start, big)
+        index = torch.where(local_max_q.to(dtype) == max_q, local_arg_q + start, torch.iinfo(torch.long).max)
         index = _all_reduce(index, dist.ReduceOp.MIN, tp_group)
         mine = (index >= start) & (index < start + num_local)
-        local_index = (index - start).clamp_(0, num_local - 1)
-        p_at = p.gather(-1, local_index[..., None]).squeeze(-1)
+        p_at = p.gather(-1, (index - start).clamp_(0, num_local - 1)[..., None]).squeeze(-1)
         parts["alpha_to"] = torch.where(mine, p_at, 0.0)
     names = list(parts)
-    reduced = _all_reduce(torch.stack([parts[n] for n in names]), dist.ReduceOp.SUM, tp_group)
-    sums = dict(zip(names, reduced))
+    sums = dict(zip(names, _all_reduce(torch.stack([parts[n] for n in names]), dist.ReduceOp.SUM, tp_group)))
 
     value = sums["tv" if kind == "tv" else kind]
     aux = sums["aux"] if "aux" in sums else torch.zeros_like(value)
-    saved = torch.stack([max_q, sumexp[0], max_p, sumexp[1], aux])
+    saved = torch.stack([max_q, sumexp_q, max_p, sumexp_p, aux])
     stats = None
     if with_stats:
         stats = torch.stack([
             1.0 - sums["tv"], sums["alpha_to"], sums["entropy_target"], sums["entropy_draft"], sums["kl"],
         ])
-    grad = direction(kind, q, p, logq, logp, aux, draft_temperature) if with_grad else None
+    grad = None
+    if with_grad:
+        scale = torch.full_like(value, 1.0 / draft_temperature)
+        grad = direction(kind, q, p, logq, logp, q_where_le, aux, scale, scratch)
     return RowResult(value, saved, stats, grad)
 
 
-def grad_rows(
-    draft_RV: torch.Tensor,
-    target_RV: torch.Tensor,
-    saved_CR: torch.Tensor,
-    *,
-    kind: str,
-    target_temperature: float,
-    draft_temperature: float,
-) -> torch.Tensor:
-    """d value / d draft logits of one chunk, recomputed from the saved per-row scalars (no collective)."""
+def grad_rows(draft_RV, target_RV, saved_CR, scale_R, *, kind, target_temperature, draft_temperature,
+              ws: Workspace) -> torch.Tensor:
+    """``scale_R`` x d value / d draft logits of one chunk (a workspace view), recomputed from
+    the saved per-row scalars, with the forward's exact operations and no collective."""
     dtype = compute_dtype(draft_RV.dtype, target_RV.dtype)
     max_q, sumexp_q, max_p, sumexp_p, aux = saved_CR.unbind(0)
-    logq = _scaled(draft_RV, draft_temperature, dtype).sub_(max_q[..., None])
-    logp = _scaled(target_RV, target_temperature, dtype).sub_(max_p[..., None])
-    logq, q = _log_probs_and_probs(logq, logq.exp(), sumexp_q)
-    logp, p = _log_probs_and_probs(logp, logp.exp(), sumexp_p)
-    return direction(kind, q, p, logq, logp, aux, draft_temperature)
+    logq, logp, q, p = _probs(draft_RV, target_RV, max_q, max_p, target_temperature=target_temperature,
+                              draft_temperature=draft_temperature, ws=ws, dtype=dtype)
+    q.div_(sumexp_q[..., None])
+    p.div_(sumexp_p[..., None])
+    out = ws.take("scratch" if kind == "reverse_kl" else "logq", draft_RV, dtype)  # logs only for reverse KL
+    q_where_le = None
+    if kind == "tv":
+        q_where_le = _q_where_le(q, p, out)
+    elif kind == "reverse_kl":
+        logq.sub_(sumexp_q.log()[..., None])
+        logp.sub_(sumexp_p.log()[..., None])
+    return direction(kind, q, p, logq, logp, q_where_le, aux, scale_R / draft_temperature, out)

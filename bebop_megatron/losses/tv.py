@@ -11,16 +11,17 @@ count, 0 loss when there is none, no host sync); ``reduction="sum"`` returns sum
 the caller can divide by the count of the whole global batch.
 
 Math is exact over the full vocabulary, max-subtracted, in float32 for bf16/fp16/fp32
-logits and float64 for float64 logits, chunked over ``chunk_tokens`` positions (all K steps
-of a chunk at once); see ``functions.py`` for what backward saves. Invalid positions are
-computed and masked out (no data-dependent shapes), so their logits must be finite.
+logits and float64 for float64 logits, in chunks of ``chunk_tokens`` rows of the K x N
+(step, position) rows; see ``functions.py`` for what backward saves. Invalid positions are
+computed and masked out (no data-dependent shapes), so their rows too need at least one
+finite logit (a row of -inf alone would put nan into the gradient).
 """
 
 from __future__ import annotations
 
 import torch
 
-from bebop_megatron.losses.functions import DivergenceOptions, E2EChain, VocabDivergence
+from bebop_megatron.losses.functions import DEFAULT_CHUNK_TOKENS, DivergenceOptions, E2EChain, VocabDivergence
 from bebop_megatron.losses.kernel_torch import STAT_KEYS
 
 IMPLS = ("torch",)
@@ -93,8 +94,9 @@ _COMMON_DOC = """
         tp_group: the tensor-parallel group the vocabulary is sharded over (None: not sharded).
         target_temperature, draft_temperature: logits are divided by them before the softmax.
         reduction: "mean" (over positions with K_t >= 1; 0 when none) or "sum" (sum_t L_t).
-        chunk_tokens: positions per chunk; at most K x chunk_tokens x V_local compute-dtype
-            temporaries (a few of them) are alive at once, in forward and in backward.
+        chunk_tokens: rows (positions, step after step) per kernel call: at most four
+            (TV without stats) to six ``chunk_tokens x V_local`` compute-dtype buffers are
+            alive at once, in forward and in backward, besides the gradient itself.
         return_stats: also return ``stats``, a dict of ``[K]`` sums over each step's
             valid-chain positions: ``alpha_rs`` (sum_v min(p, q)), ``alpha_to`` (p at the
             argmax of q, ties to the lowest global index), ``entropy_target`` H(p),
@@ -122,12 +124,12 @@ _EQUIVALENT_SUFFIX = """
 
 
 def _doc(summary: str, body: str) -> str:
-    return summary + "\n\n    Plain-torch equivalent (full logits materialised; differentiated w.r.t. draft_logits)::\n" + \
-        _EQUIVALENT_PREFIX + body + _EQUIVALENT_SUFFIX + _COMMON_DOC
+    lead = "\n\n    Plain-torch equivalent (full logits materialised; differentiated w.r.t. draft_logits)::\n"
+    return summary + lead + _EQUIVALENT_PREFIX + body + _EQUIVALENT_SUFFIX + _COMMON_DOC
 
 
 def e2e_tv_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
-                draft_temperature=1.0, reduction="mean", chunk_tokens=4096, return_stats=False,
+                draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
                 grad_in_forward=False, impl="torch"):
     return _objective("e2e_tv", draft_logits, target_logits, valid, tp_group=tp_group,
                       target_temperature=target_temperature, draft_temperature=draft_temperature,
@@ -136,7 +138,7 @@ def e2e_tv_loss(draft_logits, target_logits, valid, *, tp_group=None, target_tem
 
 
 def tv_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
-            draft_temperature=1.0, reduction="mean", chunk_tokens=4096, return_stats=False,
+            draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
             grad_in_forward=False, impl="torch"):
     return _objective("tv", draft_logits, target_logits, valid, tp_group=tp_group,
                       target_temperature=target_temperature, draft_temperature=draft_temperature,
@@ -145,7 +147,7 @@ def tv_loss(draft_logits, target_logits, valid, *, tp_group=None, target_tempera
 
 
 def forward_kl_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
-                    draft_temperature=1.0, reduction="mean", chunk_tokens=4096, return_stats=False,
+                    draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
                     grad_in_forward=False, impl="torch"):
     return _objective("kl", draft_logits, target_logits, valid, tp_group=tp_group,
                       target_temperature=target_temperature, draft_temperature=draft_temperature,
@@ -154,7 +156,7 @@ def forward_kl_loss(draft_logits, target_logits, valid, *, tp_group=None, target
 
 
 def reverse_kl_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
-                    draft_temperature=1.0, reduction="mean", chunk_tokens=4096, return_stats=False,
+                    draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
                     grad_in_forward=False, impl="torch"):
     return _objective("reverse_kl", draft_logits, target_logits, valid, tp_group=tp_group,
                       target_temperature=target_temperature, draft_temperature=draft_temperature,
@@ -203,7 +205,7 @@ reverse_kl_loss.__doc__ = _doc(
 
 
 def tv_distance(draft_logits, target_logits, *, tp_group=None, target_temperature=1.0, draft_temperature=1.0,
-                chunk_tokens=4096, grad_in_forward=False, impl="torch"):
+                chunk_tokens=DEFAULT_CHUNK_TOKENS, grad_in_forward=False, impl="torch"):
     """Per-row d_TV(softmax(target / tau_t), softmax(draft / tau_d)) (Eq. 10), ``[N]``.
 
     Plain-torch equivalent (differentiated w.r.t. draft_logits; gradient Eq. 11)::
@@ -214,7 +216,7 @@ def tv_distance(draft_logits, target_logits, *, tp_group=None, target_temperatur
 
     ``draft_logits``, ``target_logits``: ``[N, V_local]``, the vocabulary sharded across
     ``tp_group`` when given (every rank gets the same ``[N]``). Computed in float32
-    (float64 for float64 logits) in chunks of ``chunk_tokens`` rows.
+    (float64 for float64 logits) in chunks of ``chunk_tokens`` rows; no ``valid`` mask.
     """
     _check_common(impl, target_temperature, draft_temperature, chunk_tokens)
     if draft_logits.dim() != 2 or draft_logits.shape != target_logits.shape:

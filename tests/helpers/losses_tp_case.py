@@ -94,7 +94,10 @@ def compare_tv_distance(dtype, group) -> dict:
     got = tv_distance(shard, target[0, :, cols].contiguous(), tp_group=group, target_temperature=TEMPS[0],
                       draft_temperature=TEMPS[1], chunk_tokens=7)
     (grad_shard,) = torch.autograd.grad((got * weights).sum(), shard)
-    errors = {"value": rel_err(got.detach(), want.detach()), "grad": rel_err(gather_vocab(grad_shard, group), want_grad)}
+    errors = {
+        "value": rel_err(got.detach(), want.detach()),
+        "grad": rel_err(gather_vocab(grad_shard, group), want_grad),
+    }
     tol = TOLERANCE[dtype]
     return {"errors": errors, "tolerance": tol, "ok": all(e <= tol for e in errors.values())}
 
