@@ -173,7 +173,9 @@ def test_mtp_ce_loss_matches_reference(megatron_single_process, B, S, H, V, K, s
     hidden = hidden_64.float().requires_grad_(True)
 
     loss_sum, count, stats = mtp_ce_loss(model, hidden, batch, K, megatron_single_process)
-    assert model.calls == K  # one output-layer call per MTP step, none for the backbone chunk
+    # One output-layer call per MTP step, plus one (no grad) for the backbone chunk, whose
+    # shifted distribution gives the acceptance statistics.
+    assert model.calls == K + 1
 
     ref_hidden = hidden_64.clone().requires_grad_(True)
     ref_sum, ref_count, ref_stats = reference_loss(ref_hidden, weight_64, batch.labels, batch.loss_mask, K)
@@ -267,6 +269,37 @@ def test_mtp_ce_loss_all_chains_empty(megatron_single_process):
                                          megatron_single_process)
     assert int(count) == 0
     assert loss_sum.item() == 0.0
-    assert torch.equal(stats, torch.zeros(3, K))
+    assert torch.equal(stats, torch.zeros(len(STAT_ROWS), K))
     loss_sum.backward()
     assert torch.count_nonzero(hidden.grad) == 0
+
+
+@pytest.mark.parametrize("loss_type", ["e2e_tv", "tv", "kl", "reverse_kl"])
+def test_mtp_loss_targets_are_the_backbone_shifted_by_k(megatron_single_process, loss_type):
+    """Step k at position t is trained toward the backbone's distribution at t + k."""
+    from bebop_megatron.config import LossConfig
+    from bebop_megatron.losses import reference
+    from bebop_megatron.training.loss import mtp_loss
+
+    B, S, H, V, K = 2, 13, 8, 23, 3
+    hidden_64, weight_64, batch = _make_case(B, S, H, V, K, seed=11)
+    hidden = hidden_64.float().requires_grad_(True)
+    cfg = LossConfig(type=loss_type, target_temperature=0.8, draft_temperature=1.2, chunk_tokens=5)
+    loss_sum, count, stats = mtp_loss(StandInModel(weight_64.float()), hidden, batch, K, megatron_single_process, cfg)
+
+    # Reference: explicit loops over (k, t), float64.
+    logits_KSBV = torch.stack([(hidden_64[k * S:(k + 1) * S] @ weight_64.t()) for k in range(K + 1)])
+    draft = torch.zeros(K, S, B, V, dtype=torch.float64)
+    target = torch.zeros(K, S, B, V, dtype=torch.float64)
+    valid = brute_force_chain(batch.loss_mask, K).transpose(1, 2)  # [K, S, B]
+    for k in range(1, K + 1):
+        draft[k - 1] = logits_KSBV[k]
+        for t in range(S - k):
+            target[k - 1, t] = logits_KSBV[0, t + k]
+    args = (draft.flatten(1, 2), target.flatten(1, 2), valid.flatten(1))
+    ref_sum = reference.objective(loss_type, *args, 0.8, 1.2, reduction="sum")
+    ref_stats = reference.stats(*args, 0.8, 1.2)
+    assert int(count) == int(valid[0].sum())
+    torch.testing.assert_close(loss_sum.double(), ref_sum, rtol=1e-5, atol=1e-6)
+    for row, key in enumerate(STAT_ROWS[3:], start=3):
+        torch.testing.assert_close(stats[row].double(), ref_stats[key], rtol=1e-4, atol=1e-5, msg=key)

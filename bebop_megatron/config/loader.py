@@ -107,7 +107,10 @@ def validate(cfg: Config) -> None:
     _choice(m.family, "model.family", ("dense", "moe"))
     _choice(m.transformer_impl, "model.transformer_impl", ("auto", "local", "transformer_engine"))
     _choice(m.moe_token_dispatcher_type, "model.moe_token_dispatcher_type", ("alltoall", "allgather"))
-    _choice(cfg.loss.type, "loss.type", ("ce",))
+    _choice(cfg.loss.type, "loss.type", ("e2e_tv", "tv", "kl", "reverse_kl", "ce"))
+    if cfg.loss.target_temperature <= 0 or cfg.loss.draft_temperature <= 0:
+        raise ConfigError("loss.target_temperature and loss.draft_temperature must be > 0")
+    _positive(cfg.loss.chunk_tokens, "loss.chunk_tokens")
     _choice(t.lr_schedule, "train.lr_schedule", ("constant", "cosine"))
     _choice(t.resume, "train.resume", ("auto", "none"))
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",

@@ -90,8 +90,18 @@ class ParallelConfig:
 
 @dataclass
 class LossConfig:
-    type: str = "ce"
-    """MTP objective. ``ce``: Megatron's cross-entropy on data tokens."""
+    type: str = "e2e_tv"
+    """MTP objective: ``e2e_tv`` (Eq. 13, the method), ``tv`` (per-step TV, Eq. 10), ``kl``
+    (forward KL(p||q)), ``reverse_kl`` (KL(q||p)), all against the frozen backbone's
+    distribution over the full vocabulary; or ``ce`` (cross-entropy on the data tokens,
+    Megatron's default MTP loss)."""
+    target_temperature: float = 1.0
+    """Backbone logits are divided by it before the softmax."""
+    draft_temperature: float = 1.0
+    """Draft (MTP) logits are divided by it before the softmax."""
+    chunk_tokens: int = 512
+    """Rows (positions x steps) per loss-kernel call: bounds the float32 temporaries to a few
+    ``chunk_tokens x V_local`` buffers."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -225,6 +226,7 @@ def enable() -> None:
         _saved[(red.module, red.attr)] = (original, red.attr in vars(owner))
         setattr(owner, red.attr, red.make(original))
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_rng_filter)
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")  # a CUDA-stream hint
     _mode = _CpuDeviceMode()
     _mode.__enter__()
 

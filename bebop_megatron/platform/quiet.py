@@ -16,6 +16,7 @@ _WARNINGS = (
     r"absl\.logging is not installed",
     r"full scope is deprecated",  # CUDA-graph default inside TransformerConfig; we set no graphs
     r"MimoModelConfig is experimental",  # imported by Megatron, unused here
+    r"`torch.distributed.all_gather_into_tensor` is deprecated",  # Megatron's call, not ours
 )
 
 _LOG_MESSAGES = (

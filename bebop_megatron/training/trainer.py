@@ -22,7 +22,7 @@ from bebop_megatron.data import MarkovDataset, batch_iterator
 from bebop_megatron.model import build_model, mtp_parameters
 from bebop_megatron.platform import init_distributed, resolve_device
 from bebop_megatron.training import checkpoint as ckpt
-from bebop_megatron.training.loss import mtp_ce_loss
+from bebop_megatron.training.loss import STAT_ROWS, mtp_loss
 from bebop_megatron.training.optim import build_optimizer, finalize_mtp_grads, wrap_ddp
 from bebop_megatron.training.parallel import setup_parallel
 from bebop_megatron.training.schedule import run_microbatches
@@ -34,13 +34,17 @@ class StepMetrics:
     loss: float
     grad_norm: float
     lr: float
-    top1: list[float]  # per MTP step, over valid chain positions
-    ce: list[float]  # per MTP step
+    top1: list[float]  # per MTP step, over valid chain positions: agreement with the data token
+    ce: list[float]  # per MTP step (ce objective only; 0 otherwise)
+    alpha_rs: list[float] = field(default_factory=list)  # mean sum_v min(p, q) per MTP step
+    alpha_to: list[float] = field(default_factory=list)  # mean p(argmax q) per MTP step
+    entropy_target: list[float] = field(default_factory=list)  # mean H(p)
+    entropy_draft: list[float] = field(default_factory=list)  # mean H(q)
     tokens_per_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
-def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device):
+def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device, loss_cfg):
     batch = next(data_iterator).to(device)
     output = model(batch.tokens, batch.position_ids, None)
     unwrapped = getattr(model, "module", model)
@@ -48,8 +52,8 @@ def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device)
         return output, None
 
     def loss_func(hidden):
-        loss_sum, count, stats = mtp_ce_loss(
-            unwrapped, hidden, batch, num_steps, parallel_state.get_tensor_model_parallel_group()
+        loss_sum, count, stats = mtp_loss(
+            unwrapped, hidden, batch, num_steps, parallel_state.get_tensor_model_parallel_group(), loss_cfg
         )
         return loss_sum, count, {"loss_sum": loss_sum.detach(), "count": count, "stats": stats}
 
@@ -141,7 +145,8 @@ class Trainer:
         self.optimizer.zero_grad()
         return run_microbatches(
             forward_step_func=functools.partial(
-                _forward_step, num_steps=self.cfg.mtp.num_steps, device=self._comm_device
+                _forward_step, num_steps=self.cfg.mtp.num_steps, device=self._comm_device,
+                loss_cfg=self.cfg.loss,
             ),
             data_iterator=iter(micro_batches),
             model=self.model,
@@ -177,8 +182,8 @@ class Trainer:
         Only one rank per data-parallel replica of the MTP stage contributes (its TP ranks
         hold copies of the same sums).
         """
-        K = self.cfg.mtp.num_steps
-        report = torch.zeros(3 + 3 * K)
+        K, R = self.cfg.mtp.num_steps, len(STAT_ROWS)
+        report = torch.zeros(3 + R * K)
         contributes = (
             self.has_mtp
             and parallel_state.get_tensor_model_parallel_rank() == 0
@@ -194,15 +199,20 @@ class Trainer:
         report = report.to(self._comm_device)
         dist.all_reduce(report)
         report = report.cpu()
-        stats = report[3:].view(3, K)
-        count = stats[2].clamp(min=1)
+        rows = dict(zip(STAT_ROWS, report[3:].view(R, K)))
+        count = rows["count"].clamp(min=1)
+        mean = {name: (value / count).tolist() for name, value in rows.items()}
         return StepMetrics(
             step=self.step,
             loss=float(report[0] / report[1].clamp(min=1)),
             grad_norm=float(report[2]),
             lr=float(self.optimizer.param_groups[0]["lr"]),
-            top1=(stats[1] / count).tolist(),
-            ce=(stats[0] / count).tolist(),
+            top1=mean["top1_correct"],
+            ce=mean["ce_sum"],
+            alpha_rs=mean["alpha_rs"],
+            alpha_to=mean["alpha_to"],
+            entropy_target=mean["entropy_target"],
+            entropy_draft=mean["entropy_draft"],
         )
 
     # ---------------------------------------------------------------- loop
@@ -243,10 +253,13 @@ class Trainer:
     def format(self, m: StepMetrics, elapsed: float) -> str:
         steps = self.cfg.train.steps
         eta = elapsed / max(len(range(m.step)), 1) * (steps - m.step)
-        top1 = " ".join(f"{a:.3f}" for a in m.top1)
+        def per_step(values):
+            return " ".join(f"{v:.3f}" for v in values)
+
         return (
-            f"step {m.step:>5}/{steps} | loss {m.loss:.4f} | top1/step [{top1}] | "
-            f"grad_norm {m.grad_norm:.3f} | lr {m.lr:.2e} | {m.tokens_per_s:,.0f} tok/s | ETA {eta:.0f}s"
+            f"step {m.step:>5}/{steps} | {self.cfg.loss.type} {m.loss:.4f} | alpha_RS [{per_step(m.alpha_rs)}] | "
+            f"top1 [{per_step(m.top1)}] | H(p) {m.entropy_target[0]:.2f} | grad_norm {m.grad_norm:.3f} | "
+            f"lr {m.lr:.2e} | {m.tokens_per_s:,.0f} tok/s | ETA {eta:.0f}s"
         )
 
     def summary(self) -> str:

@@ -1,5 +1,8 @@
 """Every parallel layout against the same model on one rank (2 gloo ranks, CPU).
 
+The objective is the e2e TV loss (vocabulary-parallel under TP, sequence-parallel hidden
+states under SP); one layout repeats TP+SP with the CE objective.
+
 Weights are independent of the layout: the single-rank reference writes its initial
 weights as a Megatron distributed checkpoint, and each 2-rank run loads them at its own
 layout (``model.init_checkpoint``; TP=2 loads only the backbone with
@@ -22,10 +25,11 @@ BASE = [
     "train.seq_length=32", "train.lr=3e-3", "train.warmup_fraction=0.0",
     "model.num_layers=4", "model.hidden_size=64", "model.ffn_hidden_size=128",
     "model.num_attention_heads=4", "model.num_query_groups=2", "model.vocab_size=200",
-    "mtp.num_layers=1", "mtp.num_steps=3",
+    "mtp.num_layers=1", "mtp.num_steps=3", "loss.type=e2e_tv", "loss.chunk_tokens=37",
 ]
 FAMILIES = {
     "dense": ["model.qk_layernorm=true"],
+    "dense_ce": ["model.qk_layernorm=true", "loss.type=ce"],
     "moe": [
         "model.family=moe", "model.num_experts=4", "model.moe_router_topk=2", "model.add_qkv_bias=true",
         "model.ffn_hidden_size=64", "model.moe_shared_expert_intermediate_size=64",
@@ -35,6 +39,7 @@ FAMILIES = {
 LAYOUTS = {
     "tp2": ("dense", ["parallel.tensor=2"], "backbone_checkpoint"),
     "tp2_sp": ("dense", ["parallel.tensor=2", "parallel.sequence_parallel=true"], "init_checkpoint"),
+    "tp2_sp_ce": ("dense_ce", ["parallel.tensor=2", "parallel.sequence_parallel=true"], "init_checkpoint"),
     "pp2": ("dense", ["parallel.pipeline=2"], "init_checkpoint"),
     "pp2_standalone_mtp": ("dense", ["parallel.pipeline=2", "parallel.pipeline_layout=Et*4|m*3L"], "init_checkpoint"),
     "dp2": ("dense", [], "init_checkpoint"),
