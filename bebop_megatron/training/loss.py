@@ -21,7 +21,7 @@ from megatron.core import tensor_parallel
 
 from bebop_megatron.config import LossConfig
 from bebop_megatron.data import Batch
-from bebop_megatron.losses import OBJECTIVES, STAT_KEYS
+from bebop_megatron.losses import OBJECTIVES, STAT_KEYS, chain_mask
 
 STAT_ROWS = ("ce_sum", "top1_correct", "count", *STAT_KEYS)
 
@@ -36,7 +36,7 @@ def chain_valid(loss_mask_BS: torch.Tensor, num_steps: int) -> torch.Tensor:
         if k < S:
             shifted[:, : S - k] = ok_BS[:, k:]
         steps.append(shifted)
-    return torch.stack(steps).to(torch.int8).cumprod(dim=0).bool()
+    return chain_mask(torch.stack(steps))
 
 
 def _vocab_parallel_top1_correct(logits_SBV: torch.Tensor, target_SB: torch.Tensor, tp_group) -> torch.Tensor:
