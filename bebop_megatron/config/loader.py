@@ -165,8 +165,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.tensor={p.tensor} must divide train.seq_length={t.seq_length} with sequence_parallel")
     if p.context > 1:
         raise ConfigError(
-            f"parallel.context={p.context}: context parallelism is not supported with the MTP "
-            "trainer yet (the MTP chain shift across CP shards is untested); use parallel.context=1"
+            f"parallel.context={p.context}: context parallelism is not supported yet; Megatron-Core's "
+            "local attention refuses it (only Transformer Engine attention supports it) and the MTP "
+            "loss does not yet split targets over context-parallel shards; use parallel.context=1"
         )
     if p.pipeline_layout is not None:
         _validate_pipeline_layout(cfg)
