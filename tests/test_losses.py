@@ -356,3 +356,42 @@ def test_invalid_arguments():
         e2e_tv_loss(draft, target, valid[:, :3])
     with pytest.raises(ValueError, match="V_local"):
         e2e_tv_loss(draft, target[..., :8], valid)
+
+
+# ---------------------------------------------------------------- fused with the output projection
+
+
+@pytest.mark.parametrize("kind", ["e2e_tv", "tv", "kl", "reverse_kl"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fused_linear_objective_equals_objective_on_logits(kind, dtype):
+    """Hidden states + output weight, chunked, == the objective on materialised logits."""
+    from bebop_megatron.losses import OBJECTIVES, fused_linear_objective
+
+    g = torch.Generator().manual_seed(5)
+    K, N, H, V = 3, 29, 16, 101
+    draft_h = torch.randn(K, N, H, generator=g, dtype=dtype, requires_grad=True)
+    target_h = torch.randn(K, N, H, generator=g, dtype=dtype)
+    weight = torch.randn(V, H, generator=g, dtype=dtype) / 2
+    valid = torch.rand(K, N, generator=g) > 0.2
+    opts = dict(target_temperature=0.9, draft_temperature=1.1, return_stats=True)
+    loss, stats = fused_linear_objective(kind, draft_h, target_h, weight, valid, chunk_tokens=7, **opts)
+    (grad,) = torch.autograd.grad(2.5 * loss, draft_h)
+
+    ref_h = draft_h.detach().clone().requires_grad_(True)
+    ref_loss, ref_stats = OBJECTIVES[kind](ref_h @ weight.t(), target_h @ weight.t(), valid, **opts)
+    (ref_grad,) = torch.autograd.grad(2.5 * ref_loss, ref_h)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss, **tol)
+    torch.testing.assert_close(grad, ref_grad, **tol)
+    for key in ref_stats:
+        torch.testing.assert_close(stats[key], ref_stats[key], **tol, msg=key)
+
+
+def test_fused_linear_objective_rejects_bad_shapes():
+    from bebop_megatron.losses import fused_linear_objective
+
+    h = torch.randn(2, 5, 4)
+    with pytest.raises(ValueError, match="weight"):
+        fused_linear_objective("e2e_tv", h, h, torch.randn(7, 3), torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="kind"):
+        fused_linear_objective("ce", h, h, torch.randn(7, 4), torch.ones(2, 5, dtype=torch.bool))

@@ -10,6 +10,7 @@ from bebop_megatron.losses.tv import (
     chain_mask,
     e2e_tv_loss,
     forward_kl_loss,
+    fused_linear_objective,
     reverse_kl_loss,
     tv_distance,
     tv_loss,
@@ -19,5 +20,6 @@ OBJECTIVES = {"e2e_tv": e2e_tv_loss, "tv": tv_loss, "kl": forward_kl_loss, "reve
 
 __all__ = [
     "OBJECTIVES", "STAT_KEYS", "chain_lengths", "chain_mask", "e2e_tv_loss", "forward_kl_loss",
+    "fused_linear_objective",
     "reverse_kl_loss", "tv_distance", "tv_loss",
 ]

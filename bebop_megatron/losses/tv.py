@@ -67,6 +67,12 @@ def _objective(kind, draft_logits, target_logits, valid, *, tp_group, target_tem
         with_stats=return_stats, grad_in_forward=grad_in_forward,
     )
     value_KN, stats_CKN = VocabDivergence.apply(draft_logits, target_logits.detach(), opts)
+    return _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats)
+
+
+def _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats):
+    """Per-row divergences -> the objective's loss (and per-step stat sums)."""
+    K = value_KN.shape[0]
     chain_KN = chain_mask(valid)
     if kind == "e2e_tv":
         loss_N = E2EChain.apply(value_KN, chain_KN)
@@ -121,6 +127,52 @@ _EQUIVALENT_PREFIX = """
 _EQUIVALENT_SUFFIX = """
         loss = per_pos.sum() / num.clamp(min=1)  # reduction="mean"; per_pos.sum() for "sum"
 """
+
+
+OBJECTIVE_KINDS = ("e2e_tv", "tv", "kl", "reverse_kl")
+
+
+def fused_linear_objective(kind, draft_hidden, target_hidden, weight, valid, *, tp_group=None,
+                           target_temperature=1.0, draft_temperature=1.0, reduction="mean",
+                           chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False, impl="torch"):
+    """An objective computed from hidden states through the output projection, chunked.
+
+    Plain-torch equivalent (what it computes, without ever holding all logits)::
+
+        draft_logits = draft_hidden @ weight.T      # [K, N, V_local]
+        target_logits = target_hidden @ weight.T    # [K, N, V_local], treated as detached
+        OBJECTIVES[kind](draft_logits, target_logits, valid, ...)
+
+    ``draft_hidden``, ``target_hidden``: ``[K, N, H]`` (step k's target hidden state is
+    already aligned to the draft's position); ``weight``: ``[V_local, H]``, this TP rank's
+    vocabulary shard of the (frozen) output layer. Differentiable w.r.t. ``draft_hidden``
+    only; under TP the returned gradient is this rank's partial sum (see
+    :mod:`bebop_megatron.losses.fused`). At most ``chunk_tokens x V_local`` logits of each
+    kind are alive at once.
+    """
+    from bebop_megatron.losses.fused import FusedLinearDivergence
+
+    if kind not in OBJECTIVE_KINDS:
+        raise ValueError(f"kind must be one of {OBJECTIVE_KINDS}, got {kind!r}")
+    _check_common(impl, target_temperature, draft_temperature, chunk_tokens)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if draft_hidden.dim() != 3 or draft_hidden.shape != target_hidden.shape:
+        raise ValueError(
+            f"draft_hidden and target_hidden must both be [K, N, H], got {tuple(draft_hidden.shape)} "
+            f"and {tuple(target_hidden.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != draft_hidden.shape[-1]:
+        raise ValueError(f"weight must be [V_local, H={draft_hidden.shape[-1]}], got {tuple(weight.shape)}")
+    if tuple(valid.shape) != tuple(draft_hidden.shape[:2]):
+        raise ValueError(f"valid must be [K, N] = {tuple(draft_hidden.shape[:2])}, got {tuple(valid.shape)}")
+    opts = DivergenceOptions(
+        kind="tv" if kind == "e2e_tv" else kind, target_temperature=float(target_temperature),
+        draft_temperature=float(draft_temperature), tp_group=tp_group, chunk_tokens=chunk_tokens,
+        with_stats=return_stats,
+    )
+    value_KN, stats_CKN = FusedLinearDivergence.apply(draft_hidden, target_hidden.detach(), weight.detach(), opts)
+    return _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats)
 
 
 def _doc(summary: str, body: str) -> str:

@@ -21,7 +21,7 @@ from megatron.core import tensor_parallel
 
 from bebop_megatron.config import LossConfig
 from bebop_megatron.data import Batch
-from bebop_megatron.losses import OBJECTIVES, STAT_KEYS, chain_mask
+from bebop_megatron.losses import STAT_KEYS, chain_mask, fused_linear_objective
 
 STAT_ROWS = ("ce_sum", "top1_correct", "count", *STAT_KEYS)
 
@@ -56,49 +56,72 @@ def _vocab_parallel_top1_correct(logits_SBV: torch.Tensor, target_SB: torch.Tens
     return (target_logit >= max_logit).float()
 
 
-def _shift_targets(main_SBV: torch.Tensor, num_steps: int) -> torch.Tensor:
-    """``[K, S, B, V]``: step k's target at t is the backbone at t+k (zeros past the end, invalid)."""
-    S = main_SBV.shape[0]
-    target_KSBV = main_SBV.new_zeros((num_steps, *main_SBV.shape))
+def _shift_targets(main_SBX: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """``[K, S, B, X]``: step k's target at t is the backbone at t+k (zeros past the end, invalid)."""
+    S = main_SBX.shape[0]
+    target_KSBX = main_SBX.new_zeros((num_steps, *main_SBX.shape))
     for k in range(1, num_steps + 1):
         if k < S:
-            target_KSBV[k - 1, : S - k] = main_SBV[k:]
-    return target_KSBV
+            target_KSBX[k - 1, : S - k] = main_SBX[k:]
+    return target_KSBX
+
+
+def _full_sequence(hidden_SBH: torch.Tensor, model, tp_group) -> torch.Tensor:
+    """This rank's hidden states -> the full sequence, as the output layer's input.
+
+    The backward sums the TP ranks' partial gradients (each rank holds one vocabulary shard
+    of the output layer) and, under sequence parallelism, scatters them back to the shards.
+    """
+    if getattr(model.config, "sequence_parallel", False):
+        return tensor_parallel.gather_from_sequence_parallel_region(
+            hidden_SBH, tensor_parallel_output_grad=True, group=tp_group
+        )
+    return tensor_parallel.copy_to_tensor_model_parallel_region(hidden_SBH, group=tp_group)
+
+
+def _output_weight(model) -> torch.Tensor:
+    weight = model.output_weight()
+    return weight if weight is not None else model.output_layer.weight
+
+
+@torch.no_grad()
+def _top1_correct_chunked(hidden_NH, target_N, weight_VH, tp_group, chunk_tokens: int) -> torch.Tensor:
+    """``[N]`` 1 where the data token holds the global max logit, ``chunk_tokens`` rows at a time."""
+    out = torch.empty(hidden_NH.shape[0], dtype=torch.float32, device=hidden_NH.device)
+    for start in range(0, hidden_NH.shape[0], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        logits_RV = (hidden_NH[rows] @ weight_VH.t()).unsqueeze(1)
+        out[rows] = _vocab_parallel_top1_correct(logits_RV, target_N[rows].unsqueeze(1), tp_group).squeeze(1)
+    return out
 
 
 def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: LossConfig):
     """Returns ``(loss_sum, num_positions, stats)``; ``stats`` is ``[len(STAT_ROWS), K]`` sums.
 
-    ``loss_cfg.type``: ``ce`` (data tokens) or a distribution objective of
-    :mod:`bebop_megatron.losses` against the frozen backbone (``e2e_tv``, ``tv``, ``kl``,
-    ``reverse_kl``). The acceptance statistics (alpha_RS, alpha_TO, entropies, KL) are
-    computed for every objective, so runs with different objectives compare directly.
+    ``loss_cfg.type``: ``ce`` (data tokens, through Megatron's output layer and vocab-parallel
+    cross-entropy) or a distribution objective of :mod:`bebop_megatron.losses` against the
+    frozen backbone (``e2e_tv``, ``tv``, ``kl``, ``reverse_kl``), fused with the output
+    projection: no full logits tensor is ever held. The acceptance statistics (alpha_RS,
+    alpha_TO, entropies, KL) are computed for every objective, so runs compare directly.
     """
-    chunks = torch.chunk(hidden, 1 + num_steps, dim=0)
-    weight = model.output_weight()
-    labels_SB = batch.labels.t().contiguous()
-    valid_KSB = chain_valid(batch.loss_mask, num_steps).transpose(1, 2)
-    S = labels_SB.shape[0]
     K = num_steps
+    chunks = torch.chunk(hidden, 1 + K, dim=0)
+    weight_VH = _output_weight(model)
+    labels_SB = batch.labels.t().contiguous()
+    valid_KSB = chain_valid(batch.loss_mask, K).transpose(1, 2)
+    data_targets_KSB = torch.stack([torch.cat([labels_SB[k:], torch.zeros_like(labels_SB[:k])]) for k in range(1, K + 1)])
+    valid_KN = valid_KSB.flatten(1)
     stats = torch.zeros(len(STAT_ROWS), K, dtype=torch.float32, device=hidden.device)
-    with torch.no_grad():  # the frozen backbone's distribution, shifted per step
-        main_SBV, _ = model.output_layer(chunks[0], weight=weight)
-        target_KSBV = _shift_targets(main_SBV, K)
-    draft_logits, targets = [], []
-    for k in range(1, K + 1):
-        logits_SBV, _ = model.output_layer(chunks[k], weight=weight)
-        target_SB = torch.zeros_like(labels_SB)
-        target_SB[: S - k] = labels_SB[k:]
-        with torch.no_grad():
-            stats[1, k - 1] = (_vocab_parallel_top1_correct(logits_SBV, target_SB, tp_group) * valid_KSB[k - 1]).sum()
-        draft_logits.append(logits_SBV)
-        targets.append(target_SB)
-    stats[2] = valid_KSB.flatten(1).sum(-1).float()
+    stats[2] = valid_KN.sum(-1).float()
     num_positions = valid_KSB[0].sum().to(torch.int)
 
-    draft_KNV = torch.stack(draft_logits).flatten(1, 2)
-    target_KNV = target_KSBV.flatten(1, 2)
-    valid_KN = valid_KSB.flatten(1)
+    with torch.no_grad():  # the frozen backbone, shifted per step: step k's target is at t+k
+        target_KNH = _shift_targets(_full_sequence(chunks[0], model, tp_group), K).flatten(1, 2)
+    draft_KNH = torch.stack([_full_sequence(chunks[k], model, tp_group) for k in range(1, K + 1)]).flatten(1, 2)
+    for k in range(K):
+        top1_N = _top1_correct_chunked(draft_KNH[k], data_targets_KSB[k].flatten(), weight_VH, tp_group, loss_cfg.chunk_tokens)
+        stats[1, k] = (top1_N * valid_KN[k]).sum()
+
     objective = "e2e_tv" if loss_cfg.type == "ce" else loss_cfg.type
     kwargs = dict(
         tp_group=tp_group, target_temperature=loss_cfg.target_temperature,
@@ -107,17 +130,17 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     )
     if loss_cfg.type == "ce":
         with torch.no_grad():
-            _, dist_stats = OBJECTIVES[objective](draft_KNV.detach(), target_KNV, valid_KN, **kwargs)
+            _, dist_stats = fused_linear_objective(objective, draft_KNH, target_KNH, weight_VH, valid_KN, **kwargs)
         per_position_SB = torch.zeros(labels_SB.shape, dtype=torch.float32, device=hidden.device)
-        for k, (logits_SBV, target_SB) in enumerate(zip(draft_logits, targets), start=1):
+        for k in range(1, K + 1):
+            logits_SBV, _ = model.output_layer(chunks[k], weight=model.output_weight())
             valid_SB = valid_KSB[k - 1].float()
-            # Megatron's vocab-parallel CE works in place on its input logits: keep ours intact.
-            ce_SB = tensor_parallel.vocab_parallel_cross_entropy(logits_SBV.float().clone(), target_SB)
+            ce_SB = tensor_parallel.vocab_parallel_cross_entropy(logits_SBV.float(), data_targets_KSB[k - 1])
             per_position_SB = per_position_SB + ce_SB * valid_SB
             stats[0, k - 1] = (ce_SB.detach() * valid_SB).sum()
         loss_sum = per_position_SB.sum() / K
     else:
-        loss_sum, dist_stats = OBJECTIVES[objective](draft_KNV, target_KNV, valid_KN, **kwargs)
+        loss_sum, dist_stats = fused_linear_objective(objective, draft_KNH, target_KNH, weight_VH, valid_KN, **kwargs)
     for row, key in enumerate(STAT_KEYS, start=3):
         stats[row] = dist_stats[key].float()
     return loss_sum.float(), num_positions, stats
