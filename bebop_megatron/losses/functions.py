@@ -53,6 +53,31 @@ def _chunks(num_rows: int, chunk_tokens: int):
         yield slice(start, min(start + chunk_tokens, num_rows))
 
 
+def forward_chunks(logits_of, num_rows: int, opts: DivergenceOptions, dtype, like: torch.Tensor, grad_like=None):
+    """Run the kernel over ``chunk_tokens`` rows at a time; ``logits_of(rows)`` gives the
+    (draft, target) logits of those rows. Returns per-row value, saved scalars, stats and
+    (with ``grad_like``) d value / d draft logits."""
+    value_R = like.new_empty(num_rows, dtype=dtype)
+    saved_CR = like.new_empty((len(SAVED_ROWS), num_rows), dtype=dtype)
+    stats_CR = like.new_empty((len(STAT_KEYS) if opts.with_stats else 0, num_rows), dtype=dtype)
+    grad_RV = torch.empty_like(grad_like) if grad_like is not None else None
+    ws = Workspace()
+    for rows in _chunks(num_rows, opts.chunk_tokens):
+        draft_rows, target_rows = logits_of(rows)
+        out = forward_rows(
+            draft_rows, target_rows, kind=opts.kind,
+            target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature,
+            tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=grad_RV is not None, ws=ws,
+        )
+        value_R[rows] = out.value_R
+        saved_CR[:, rows] = out.saved_CR
+        if opts.with_stats:
+            stats_CR[:, rows] = out.stats_CR
+        if grad_RV is not None:
+            grad_RV[rows].copy_(out.grad_RV)
+    return value_R, saved_CR, stats_CR, grad_RV
+
+
 class VocabDivergence(torch.autograd.Function):
     """(draft ``[K, N, V]``, target ``[K, N, V]``) -> (value ``[K, N]``, stats ``[C, K, N]``).
 
@@ -65,25 +90,11 @@ class VocabDivergence(torch.autograd.Function):
     def forward(ctx, draft_KNV: torch.Tensor, target_KNV: torch.Tensor, opts: DivergenceOptions):
         K, N, V = draft_KNV.shape
         draft_RV, target_RV = draft_KNV.reshape(K * N, V), target_KNV.reshape(K * N, V)
-        dtype = compute_dtype(draft_KNV.dtype, target_KNV.dtype)
-        value_R = draft_KNV.new_empty(K * N, dtype=dtype)
-        saved_CR = draft_KNV.new_empty((len(SAVED_ROWS), K * N), dtype=dtype)
-        stats_CR = draft_KNV.new_empty((len(STAT_KEYS) if opts.with_stats else 0, K * N), dtype=dtype)
         store_grad = ctx.needs_input_grad[0] and opts.grad_in_forward
-        grad_RV = torch.empty_like(draft_RV) if store_grad else None
-        ws = Workspace()
-        for rows in _chunks(K * N, opts.chunk_tokens):
-            out = forward_rows(
-                draft_RV[rows], target_RV[rows], kind=opts.kind,
-                target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature,
-                tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=store_grad, ws=ws,
-            )
-            value_R[rows] = out.value_R
-            saved_CR[:, rows] = out.saved_CR
-            if opts.with_stats:
-                stats_CR[:, rows] = out.stats_CR
-            if store_grad:
-                grad_RV[rows].copy_(out.grad_RV)
+        value_R, saved_CR, stats_CR, grad_RV = forward_chunks(
+            lambda rows: (draft_RV[rows], target_RV[rows]), K * N, opts,
+            compute_dtype(draft_KNV.dtype, target_KNV.dtype), draft_KNV, grad_like=draft_RV if store_grad else None,
+        )
         ctx.opts = opts
         ctx.store_grad = store_grad
         if store_grad:

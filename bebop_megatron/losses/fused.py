@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from bebop_megatron.losses.functions import DivergenceOptions, _chunks
-from bebop_megatron.losses.kernel_torch import SAVED_ROWS, STAT_KEYS, Workspace, compute_dtype, forward_rows, grad_rows
+from bebop_megatron.losses.functions import DivergenceOptions, _chunks, forward_chunks
+from bebop_megatron.losses.kernel_torch import Workspace, compute_dtype, grad_rows
 
 
 class FusedLinearDivergence(torch.autograd.Function):
@@ -36,22 +36,11 @@ class FusedLinearDivergence(torch.autograd.Function):
     def forward(ctx, h_draft_KNH, h_target_KNH, weight_VH, opts: DivergenceOptions):
         K, N, H = h_draft_KNH.shape
         draft_RH, target_RH = h_draft_KNH.reshape(K * N, H), h_target_KNH.reshape(K * N, H)
-        dtype = compute_dtype(h_draft_KNH.dtype, weight_VH.dtype)
-        value_R = h_draft_KNH.new_empty(K * N, dtype=dtype)
-        saved_CR = h_draft_KNH.new_empty((len(SAVED_ROWS), K * N), dtype=dtype)
-        stats_CR = h_draft_KNH.new_empty((len(STAT_KEYS) if opts.with_stats else 0, K * N), dtype=dtype)
-        ws = Workspace()
         with torch.no_grad():
-            for rows in _chunks(K * N, opts.chunk_tokens):
-                out = forward_rows(
-                    draft_RH[rows] @ weight_VH.t(), target_RH[rows] @ weight_VH.t(), kind=opts.kind,
-                    target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature,
-                    tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=False, ws=ws,
-                )
-                value_R[rows] = out.value_R
-                saved_CR[:, rows] = out.saved_CR
-                if opts.with_stats:
-                    stats_CR[:, rows] = out.stats_CR
+            value_R, saved_CR, stats_CR, _ = forward_chunks(
+                lambda rows: (draft_RH[rows] @ weight_VH.t(), target_RH[rows] @ weight_VH.t()),
+                K * N, opts, compute_dtype(h_draft_KNH.dtype, weight_VH.dtype), h_draft_KNH,
+            )
         ctx.opts = opts
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(h_draft_KNH, h_target_KNH, weight_VH, saved_CR)
