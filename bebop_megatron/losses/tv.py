@@ -48,24 +48,28 @@ def _check_common(impl: str, target_temperature: float, draft_temperature: float
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
 
 
-def _objective(kind, draft_logits, target_logits, valid, *, tp_group, target_temperature, draft_temperature,
-               reduction, chunk_tokens, return_stats, grad_in_forward, impl):
+def _options(kind, valid, shape_KN, *, tp_group, target_temperature, draft_temperature, reduction,
+             chunk_tokens, return_stats, grad_in_forward=False, impl) -> DivergenceOptions:
+    """Checks shared by every entry point; the kernel options of the objective ``kind``."""
     _check_common(impl, target_temperature, draft_temperature, chunk_tokens)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if tuple(valid.shape) != tuple(shape_KN):
+        raise ValueError(f"valid must be [K, N] = {tuple(shape_KN)}, got {tuple(valid.shape)}")
+    return DivergenceOptions(
+        kind="tv" if kind == "e2e_tv" else kind, target_temperature=float(target_temperature),
+        draft_temperature=float(draft_temperature), tp_group=tp_group, chunk_tokens=chunk_tokens,
+        with_stats=return_stats, grad_in_forward=grad_in_forward,
+    )
+
+
+def _objective(kind, draft_logits, target_logits, valid, *, reduction, return_stats, **options):
     if draft_logits.dim() != 3 or draft_logits.shape != target_logits.shape:
         raise ValueError(
             f"draft_logits and target_logits must both be [K, N, V_local], got {tuple(draft_logits.shape)} "
             f"and {tuple(target_logits.shape)}"
         )
-    if tuple(valid.shape) != tuple(draft_logits.shape[:2]):
-        raise ValueError(f"valid must be [K, N] = {tuple(draft_logits.shape[:2])}, got {tuple(valid.shape)}")
-    K = draft_logits.shape[0]
-    opts = DivergenceOptions(
-        kind="tv" if kind == "e2e_tv" else kind, target_temperature=float(target_temperature),
-        draft_temperature=float(draft_temperature), tp_group=tp_group, chunk_tokens=chunk_tokens,
-        with_stats=return_stats, grad_in_forward=grad_in_forward,
-    )
+    opts = _options(kind, valid, draft_logits.shape[:2], reduction=reduction, return_stats=return_stats, **options)
     value_KN, stats_CKN = VocabDivergence.apply(draft_logits, target_logits.detach(), opts)
     return _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats)
 
@@ -154,9 +158,6 @@ def fused_linear_objective(kind, draft_hidden, target_hidden, weight, valid, *, 
 
     if kind not in OBJECTIVE_KINDS:
         raise ValueError(f"kind must be one of {OBJECTIVE_KINDS}, got {kind!r}")
-    _check_common(impl, target_temperature, draft_temperature, chunk_tokens)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if draft_hidden.dim() != 3 or draft_hidden.shape != target_hidden.shape:
         raise ValueError(
             f"draft_hidden and target_hidden must both be [K, N, H], got {tuple(draft_hidden.shape)} "
@@ -164,12 +165,10 @@ def fused_linear_objective(kind, draft_hidden, target_hidden, weight, valid, *, 
         )
     if weight.dim() != 2 or weight.shape[1] != draft_hidden.shape[-1]:
         raise ValueError(f"weight must be [V_local, H={draft_hidden.shape[-1]}], got {tuple(weight.shape)}")
-    if tuple(valid.shape) != tuple(draft_hidden.shape[:2]):
-        raise ValueError(f"valid must be [K, N] = {tuple(draft_hidden.shape[:2])}, got {tuple(valid.shape)}")
-    opts = DivergenceOptions(
-        kind="tv" if kind == "e2e_tv" else kind, target_temperature=float(target_temperature),
-        draft_temperature=float(draft_temperature), tp_group=tp_group, chunk_tokens=chunk_tokens,
-        with_stats=return_stats,
+    opts = _options(
+        kind, valid, draft_hidden.shape[:2], tp_group=tp_group, target_temperature=target_temperature,
+        draft_temperature=draft_temperature, reduction=reduction, chunk_tokens=chunk_tokens,
+        return_stats=return_stats, impl=impl,
     )
     value_KN, stats_CKN = FusedLinearDivergence.apply(draft_hidden, target_hidden.detach(), weight.detach(), opts)
     return _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats)
@@ -180,40 +179,25 @@ def _doc(summary: str, body: str) -> str:
     return summary + lead + _EQUIVALENT_PREFIX + body + _EQUIVALENT_SUFFIX + _COMMON_DOC
 
 
-def e2e_tv_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
-                draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
-                grad_in_forward=False, impl="torch"):
-    return _objective("e2e_tv", draft_logits, target_logits, valid, tp_group=tp_group,
-                      target_temperature=target_temperature, draft_temperature=draft_temperature,
-                      reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
-                      grad_in_forward=grad_in_forward, impl=impl)
+def _entry_point(kind: str, name: str):
+    """The public function of objective ``kind`` (all four share one signature)."""
+
+    def loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
+             draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
+             grad_in_forward=False, impl="torch"):
+        return _objective(kind, draft_logits, target_logits, valid, tp_group=tp_group,
+                          target_temperature=target_temperature, draft_temperature=draft_temperature,
+                          reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
+                          grad_in_forward=grad_in_forward, impl=impl)
+
+    loss.__name__ = loss.__qualname__ = name
+    return loss
 
 
-def tv_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
-            draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
-            grad_in_forward=False, impl="torch"):
-    return _objective("tv", draft_logits, target_logits, valid, tp_group=tp_group,
-                      target_temperature=target_temperature, draft_temperature=draft_temperature,
-                      reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
-                      grad_in_forward=grad_in_forward, impl=impl)
-
-
-def forward_kl_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
-                    draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
-                    grad_in_forward=False, impl="torch"):
-    return _objective("kl", draft_logits, target_logits, valid, tp_group=tp_group,
-                      target_temperature=target_temperature, draft_temperature=draft_temperature,
-                      reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
-                      grad_in_forward=grad_in_forward, impl=impl)
-
-
-def reverse_kl_loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
-                    draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
-                    grad_in_forward=False, impl="torch"):
-    return _objective("reverse_kl", draft_logits, target_logits, valid, tp_group=tp_group,
-                      target_temperature=target_temperature, draft_temperature=draft_temperature,
-                      reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
-                      grad_in_forward=grad_in_forward, impl=impl)
+e2e_tv_loss = _entry_point("e2e_tv", "e2e_tv_loss")
+tv_loss = _entry_point("tv", "tv_loss")
+forward_kl_loss = _entry_point("kl", "forward_kl_loss")
+reverse_kl_loss = _entry_point("reverse_kl", "reverse_kl_loss")
 
 
 e2e_tv_loss.__doc__ = _doc(
