@@ -56,14 +56,16 @@ def _vocab_parallel_top1_correct(logits_SBV: torch.Tensor, target_SB: torch.Tens
     return (target_logit >= max_logit).float()
 
 
-def _shift_targets(main_SBX: torch.Tensor, num_steps: int) -> torch.Tensor:
-    """``[K, S, B, X]``: step k's target at t is the backbone at t+k (zeros past the end, invalid)."""
-    S = main_SBX.shape[0]
-    target_KSBX = main_SBX.new_zeros((num_steps, *main_SBX.shape))
+def _shift_targets(x_SB: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """``[K, S, B, ...]``: row k at t holds ``x[t+k]`` (zeros past the end, where steps are invalid).
+
+    Used for both targets of step k: the backbone hidden state and the data label at t+k."""
+    S = x_SB.shape[0]
+    shifted_KSB = x_SB.new_zeros((num_steps, *x_SB.shape))
     for k in range(1, num_steps + 1):
         if k < S:
-            target_KSBX[k - 1, : S - k] = main_SBX[k:]
-    return target_KSBX
+            shifted_KSB[k - 1, : S - k] = x_SB[k:]
+    return shifted_KSB
 
 
 def _full_sequence(hidden_SBH: torch.Tensor, model, tp_group) -> torch.Tensor:
@@ -109,7 +111,7 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     weight_VH = _output_weight(model)
     labels_SB = batch.labels.t().contiguous()
     valid_KSB = chain_valid(batch.loss_mask, K).transpose(1, 2)
-    data_targets_KSB = torch.stack([torch.cat([labels_SB[k:], torch.zeros_like(labels_SB[:k])]) for k in range(1, K + 1)])
+    data_targets_KSB = _shift_targets(labels_SB, K)  # step k at t predicts labels[t+k]
     valid_KN = valid_KSB.flatten(1)
     stats = torch.zeros(len(STAT_ROWS), K, dtype=torch.float32, device=hidden.device)
     stats[2] = valid_KN.sum(-1).float()
