@@ -138,6 +138,7 @@ def _make_case(B, S, H, V, K, seed, mask=None):
         loss_mask=mask,
         position_ids=torch.arange(S).expand(B, S),
         sample_ids=torch.arange(B),
+        segment_ids=torch.zeros(B, S, dtype=torch.long),
     )
     return hidden, weight, batch
 
@@ -236,7 +237,8 @@ def test_mtp_ce_loss_top1_counts_argmax_hits(megatron_single_process):
                 else:
                     hidden[k * S + t, b, (target + 1) % V] += 10.0
     batch = Batch(tokens=labels.clone(), labels=labels, loss_mask=mask,
-                  position_ids=torch.arange(S).expand(B, S), sample_ids=torch.arange(B))
+                  position_ids=torch.arange(S).expand(B, S), sample_ids=torch.arange(B),
+                  segment_ids=torch.zeros(B, S, dtype=torch.long))
     model = StandInModel(torch.eye(V))  # logits == hidden
     _, count, stats = mtp_ce_loss(model, hidden, batch, K, megatron_single_process)
     assert int(count) == B * (S - 1)
@@ -258,7 +260,8 @@ def test_mtp_ce_loss_top1_is_strict_on_near_ties(megatron_single_process):
         hidden[S + t, 0, target] = below
         hidden[S + t, 0, (target + 1) % V] = top
     batch = Batch(tokens=labels.clone(), labels=labels, loss_mask=torch.ones(B, S),
-                  position_ids=torch.arange(S).expand(B, S), sample_ids=torch.arange(B))
+                  position_ids=torch.arange(S).expand(B, S), sample_ids=torch.arange(B),
+                  segment_ids=torch.zeros(B, S, dtype=torch.long))
     model = StandInModel(torch.eye(V))
     logits = model.output_layer(hidden[S:], None)[0]
     ref_top1 = sum(

@@ -24,6 +24,8 @@ class Batch:
     loss_mask: torch.Tensor  # [B, S] float, 1 where labels[:, t] is trained on
     position_ids: torch.Tensor  # [B, S] int64
     sample_ids: torch.Tensor  # [B] int64, global sample index (for resume checks)
+    segment_ids: torch.Tensor  # [B, S] int64, document of each position within its packed row
+    # (0, 1, 2, ... in order; -1 on padding). Attention and MTP chains never cross documents.
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
@@ -69,6 +71,7 @@ def make_batch(dataset: MarkovDataset, sample_ids: list[int]) -> Batch:
         loss_mask=torch.ones(B, S, dtype=torch.float32),
         position_ids=torch.arange(S).unsqueeze(0).expand(B, S).contiguous(),
         sample_ids=torch.tensor(sample_ids, dtype=torch.int64),
+        segment_ids=torch.zeros(B, S, dtype=torch.int64),
     )
 
 
