@@ -19,14 +19,15 @@ from bebop_megatron.data import Batch
 from bebop_megatron.training.loss import STAT_ROWS, chain_valid, mtp_ce_loss
 
 
-def brute_force_chain(loss_mask, K):
+def brute_force_chain(loss_mask, K, segment_ids=None):
     """Python-loop reference: bool [K, B, S]."""
     B, S = loss_mask.shape
     out = torch.zeros(K, B, S, dtype=torch.bool)
     for b in range(B):
         for t in range(S):
             for k in range(1, K + 1):
-                if t + k < S and loss_mask[b, t + k] > 0:
+                same_doc = segment_ids is None or (t + k < S and segment_ids[b, t + k] == segment_ids[b, t])
+                if t + k < S and loss_mask[b, t + k] > 0 and same_doc:
                     out[k - 1, b, t] = True
                 else:
                     break  # the chain stops at its first invalid step
@@ -48,6 +49,26 @@ def test_chain_valid_matches_brute_force(seed, B, S, K):
     got = chain_valid(mask, K)
     assert got.dtype == torch.bool and got.shape == (K, B, S)
     assert torch.equal(got, brute_force_chain(mask, K))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chain_valid_stops_at_document_boundaries(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, S, K = 3, 23, 4
+    mask = _random_mask(B, S, seed, p_hole=0.1)
+    # Packed rows: documents of random lengths, then padding (-1).
+    segment_ids = torch.full((B, S), -1)
+    for b in range(B):
+        t, doc = 0, 0
+        while t < S - 3:
+            n = int(torch.randint(1, 7, (1,), generator=g))
+            segment_ids[b, t : t + n] = doc
+            t, doc = t + n, doc + 1
+    got = chain_valid(mask, K, segment_ids)
+    assert torch.equal(got, brute_force_chain(mask, K, segment_ids))
+    # No valid step reaches into another document.
+    k_idx, b_idx, t_idx = got.nonzero(as_tuple=True)
+    assert torch.equal(segment_ids[b_idx, t_idx + k_idx + 1], segment_ids[b_idx, t_idx])
 
 
 def test_chain_valid_hand_example():

@@ -361,37 +361,61 @@ def test_invalid_arguments():
 # ---------------------------------------------------------------- fused with the output projection
 
 
+def _shifted_targets(backbone_SBH, K):
+    """Step k's target hidden state at s is the backbone at s + k; zeros past the end."""
+    S = backbone_SBH.shape[0]
+    out = backbone_SBH.new_zeros((K, *backbone_SBH.shape))
+    for k in range(1, K + 1):
+        out[k - 1, : S - k] = backbone_SBH[k:]
+    return out
+
+
 @pytest.mark.parametrize("kind", ["e2e_tv", "tv", "kl", "reverse_kl"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_fused_linear_objective_equals_objective_on_logits(kind, dtype):
-    """Hidden states + output weight, chunked, == the objective on materialised logits."""
+@pytest.mark.parametrize("chunk_tokens", [7, 1000])
+def test_fused_linear_objective_equals_objective_on_logits(kind, dtype, chunk_tokens):
+    """Hidden states + output weight, chunked, shared shifted backbone logits == the
+    objective on materialised, explicitly shifted logits."""
     from bebop_megatron.losses import OBJECTIVES, fused_linear_objective
 
     g = torch.Generator().manual_seed(5)
-    K, N, H, V = 3, 29, 16, 101
-    draft_h = torch.randn(K, N, H, generator=g, dtype=dtype, requires_grad=True)
-    target_h = torch.randn(K, N, H, generator=g, dtype=dtype)
+    K, S, B, H, V = 3, 11, 3, 16, 101
+    draft_h = torch.randn(K, S, B, H, generator=g, dtype=dtype, requires_grad=True)
+    backbone_h = torch.randn(S, B, H, generator=g, dtype=dtype)
     weight = torch.randn(V, H, generator=g, dtype=dtype) / 2
-    valid = torch.rand(K, N, generator=g) > 0.2
+    valid = torch.rand(K, S, B, generator=g) > 0.2  # also set past the end: must be ignored there
+    labels = torch.randint(0, V, (K, S, B), generator=g)
     opts = dict(target_temperature=0.9, draft_temperature=1.1, return_stats=True)
-    loss, stats = fused_linear_objective(kind, draft_h, target_h, weight, valid, chunk_tokens=7, **opts)
+    loss, stats = fused_linear_objective(kind, draft_h, backbone_h, weight, valid, labels=labels,
+                                         chunk_tokens=chunk_tokens, **opts)
     (grad,) = torch.autograd.grad(2.5 * loss, draft_h)
 
+    inside = torch.tensor([[s + k < S for s in range(S)] for k in range(1, K + 1)])
+    ref_valid = (valid & inside[..., None]).flatten(1)
     ref_h = draft_h.detach().clone().requires_grad_(True)
-    ref_loss, ref_stats = OBJECTIVES[kind](ref_h @ weight.t(), target_h @ weight.t(), valid, **opts)
+    draft_logits = (ref_h @ weight.t()).flatten(1, 2)
+    target_logits = (_shifted_targets(backbone_h, K) @ weight.t()).flatten(1, 2)
+    ref_loss, ref_stats = OBJECTIVES[kind](draft_logits, target_logits, ref_valid, **opts)
     (ref_grad,) = torch.autograd.grad(2.5 * ref_loss, ref_h)
     tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, ref_loss, **tol)
     torch.testing.assert_close(grad, ref_grad, **tol)
     for key in ref_stats:
         torch.testing.assert_close(stats[key], ref_stats[key], **tol, msg=key)
+    chain = ref_valid.long().cumprod(0).bool()
+    top1 = ((draft_logits.argmax(-1) == labels.flatten(1)) & chain).sum(-1).to(stats["top1"].dtype)
+    torch.testing.assert_close(stats["top1"], top1)
 
 
 def test_fused_linear_objective_rejects_bad_shapes():
     from bebop_megatron.losses import fused_linear_objective
 
-    h = torch.randn(2, 5, 4)
+    h, hb, valid = torch.randn(2, 5, 1, 4), torch.randn(5, 1, 4), torch.ones(2, 5, 1, dtype=torch.bool)
     with pytest.raises(ValueError, match="weight"):
-        fused_linear_objective("e2e_tv", h, h, torch.randn(7, 3), torch.ones(2, 5, dtype=torch.bool))
+        fused_linear_objective("e2e_tv", h, hb, torch.randn(7, 3), valid)
     with pytest.raises(ValueError, match="kind"):
-        fused_linear_objective("ce", h, h, torch.randn(7, 4), torch.ones(2, 5, dtype=torch.bool))
+        fused_linear_objective("ce", h, hb, torch.randn(7, 4), valid)
+    with pytest.raises(ValueError, match="backbone_hidden"):
+        fused_linear_objective("tv", h, h, torch.randn(7, 4), valid)
+    with pytest.raises(ValueError, match="labels"):
+        fused_linear_objective("tv", h, hb, torch.randn(7, 4), valid, labels=torch.zeros(2, 5, dtype=torch.long))

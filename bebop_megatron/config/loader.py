@@ -111,6 +111,9 @@ def validate(cfg: Config) -> None:
     if cfg.loss.target_temperature <= 0 or cfg.loss.draft_temperature <= 0:
         raise ConfigError("loss.target_temperature and loss.draft_temperature must be > 0")
     _positive(cfg.loss.chunk_tokens, "loss.chunk_tokens")
+    _choice(cfg.loss.impl, "loss.impl", ("torch", "triton"))
+    if cfg.loss.impl == "triton" and cfg.device == "cpu":
+        raise ConfigError("loss.impl=triton runs on CUDA only; use loss.impl=torch with device=cpu")
     _choice(t.lr_schedule, "train.lr_schedule", ("constant", "cosine"))
     _choice(t.resume, "train.resume", ("auto", "none"))
     for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",

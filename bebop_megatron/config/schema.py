@@ -100,8 +100,11 @@ class LossConfig:
     draft_temperature: float = 1.0
     """Draft (MTP) logits are divided by it before the softmax."""
     chunk_tokens: int = 512
-    """Rows (positions x steps) per loss-kernel call: bounds the float32 temporaries to a few
-    ``chunk_tokens x V_local`` buffers."""
+    """Tokens (sequence positions x micro-batch) per loss-kernel call: bounds the float32
+    logits and temporaries to a few ``chunk_tokens x V_local`` buffers per MTP step."""
+    impl: str = "torch"
+    """Loss kernel: ``torch`` (chunked plain torch, any device) or ``triton`` (Triton kernels
+    tiled over the vocabulary; CUDA only)."""
 
 
 @dataclass

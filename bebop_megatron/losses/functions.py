@@ -24,14 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bebop_megatron.losses.kernel_torch import (
-    SAVED_ROWS,
-    STAT_KEYS,
-    Workspace,
-    compute_dtype,
-    forward_rows,
-    grad_rows,
-)
+from bebop_megatron.losses import kernel_torch
+from bebop_megatron.losses.kernel_torch import SAVED_ROWS, STAT_KEYS, Workspace, compute_dtype
 
 
 DEFAULT_CHUNK_TOKENS = 512
@@ -46,6 +40,18 @@ class DivergenceOptions:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # rows (token positions of any step) per kernel call
     with_stats: bool = False
     grad_in_forward: bool = False
+    impl: str = "torch"  # the chunk kernel: "torch" (kernel_torch) or "triton" (kernel_triton, CUDA)
+
+
+def row_kernel(impl: str):
+    """The chunk-kernel module of ``impl`` (``forward_rows``/``grad_rows`` with one signature)."""
+    if impl == "torch":
+        return kernel_torch
+    try:
+        from bebop_megatron.losses import kernel_triton
+    except ImportError as err:
+        raise ValueError(f"impl='triton' needs the triton package (pip install triton): {err}") from None
+    return kernel_triton
 
 
 def _chunks(num_rows: int, chunk_tokens: int):
@@ -62,9 +68,10 @@ def forward_chunks(logits_of, num_rows: int, opts: DivergenceOptions, dtype, lik
     stats_CR = like.new_empty((len(STAT_KEYS) if opts.with_stats else 0, num_rows), dtype=dtype)
     grad_RV = torch.empty_like(grad_like) if grad_like is not None else None
     ws = Workspace()
+    kernel = row_kernel(opts.impl)
     for rows in _chunks(num_rows, opts.chunk_tokens):
         draft_rows, target_rows = logits_of(rows)
-        out = forward_rows(
+        out = kernel.forward_rows(
             draft_rows, target_rows, kind=opts.kind,
             target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature,
             tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=grad_RV is not None, ws=ws,
@@ -126,7 +133,7 @@ class VocabDivergence(torch.autograd.Function):
                 chunk = stored_RV[rows]
                 g = torch.mul(chunk, grad_value_R[rows, None], out=ws.take("grad", chunk, grad_value_R.dtype))
             else:
-                g = grad_rows(
+                g = row_kernel(opts.impl).grad_rows(
                     draft_RV[rows], target_RV[rows], saved_CR[:, rows], grad_value_R[rows], kind=opts.kind,
                     target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature, ws=ws,
                 )

@@ -1,14 +1,34 @@
 """The MTP objectives fused with the output projection: hidden states in, no logits kept.
 
-Legend: K MTP steps, N positions, H hidden, V this TP rank's vocabulary shard, R rows of a chunk.
+Legend: K MTP steps, S sequence positions, B micro-batch, H hidden, V this TP rank's
+vocabulary shard, c positions of a chunk, R = c x B rows of a chunk.
 
-``FusedLinearDivergence`` is :class:`~bebop_megatron.losses.functions.VocabDivergence` with
-the logits computed chunk by chunk from hidden states and the (frozen) output weight:
-``draft = h_draft @ W.T``, ``target = h_target @ W.T``. At most ``chunk_tokens x V``
-logits of each kind (and the kernel's few buffers of that size) are alive at once, in
-forward and in backward; what is saved is the hidden states (H-sized) and five per-row
-scalars. Backward recomputes both logits of a chunk (2 GEMMs), the analytic direction
-(Eq. 11 for TV) and ``grad_h = grad_logits @ W`` (1 GEMM).
+``FusedLinearDivergence`` computes the per-step divergences of
+:class:`~bebop_megatron.losses.functions.VocabDivergence` from hidden states and the
+(frozen) output weight ``W``: ``draft_k = h_draft[k] @ W.T`` and the backbone logits
+``z = h_backbone @ W.T``, where step k (1..K) at position s is compared with the backbone
+at position s + k (DESIGN.md section 1, "Which target each step uses").
+
+The sequence is processed c positions at a time (c x B <= ``chunk_tokens`` rows):
+
+* the backbone logits of positions ``s + 1 .. s + c + K - 1`` are computed **once** per
+  chunk and shared by the K steps (step k reads rows ``k - 1 .. k - 1 + c``);
+* each step's draft logits (``R x V``) go through the chunk kernel, then are dropped.
+
+The gradient is computed **during the forward**, as fused linear-loss kernels do: the
+kernel returns ``g = d value / d draft logits`` for the chunk's rows and the forward keeps
+only its projection ``u = g @ W`` (``R x H``). Backward then needs no recomputation: the
+incoming per-row gradient (from the e2e chain or the mean) scales ``u`` row by row, which
+commutes with the projection. Per step and chunk this is 3 GEMMs in total (backbone logits
+shared by K steps, draft logits, ``g @ W``), against 2 + 1 in backward for the naive
+autograd formula plus its ``K x N x V`` logits, probabilities and gradients.
+
+Alive at once: the chunk's backbone logits ((c + K - 1) x B x V), one step's draft logits
+(R x V) and the kernel's 4-6 R x V buffers, whatever S is; saved for backward: ``u``
+(``K x S x B x H`` in the compute dtype, one draft-hidden-state-sized tensor).
+
+Positions past the end of the sequence (s + k >= S) read zero hidden states (uniform
+target, finite); their steps are invalid, so they get zero gradient.
 
 Under tensor parallelism each rank holds a vocabulary shard of ``W``: the row reductions
 inside the kernel are all-reduced over ``tp_group``, and the gradient w.r.t. the hidden
@@ -21,49 +41,72 @@ from __future__ import annotations
 
 import torch
 
-from bebop_megatron.losses.functions import DivergenceOptions, _chunks, forward_chunks
-from bebop_megatron.losses.kernel_torch import Workspace, compute_dtype, grad_rows
+from bebop_megatron.losses.functions import DivergenceOptions, row_kernel
+from bebop_megatron.losses.kernel_torch import STAT_KEYS, Workspace, compute_dtype
+
+TOP1 = "top1"  # extra stat row when labels are given: 1 where argmax q is the data token
 
 
 class FusedLinearDivergence(torch.autograd.Function):
-    """(h_draft ``[K, N, H]``, h_target ``[K, N, H]``, W ``[V, H]``) -> (value ``[K, N]``, stats ``[C, K, N]``).
+    """(h_draft ``[K, S, B, H]``, h_backbone ``[S, B, H]``, W ``[V, H]``, labels ``[K, S, B]`` or None)
+    -> (value ``[K, S, B]``, stats ``[C, K, S, B]``).
 
-    Differentiable w.r.t. ``h_draft`` only (the target is the frozen backbone, ``W`` is the
-    frozen output layer).
+    Differentiable w.r.t. ``h_draft`` only (the backbone is frozen, ``W`` is the frozen
+    output layer). ``stats`` holds ``STAT_KEYS`` (and ``top1`` with labels) per row when
+    ``opts.with_stats``; it is empty otherwise.
     """
 
     @staticmethod
-    def forward(ctx, h_draft_KNH, h_target_KNH, weight_VH, opts: DivergenceOptions):
-        K, N, H = h_draft_KNH.shape
-        draft_RH, target_RH = h_draft_KNH.reshape(K * N, H), h_target_KNH.reshape(K * N, H)
+    def forward(ctx, h_draft_KSBH, h_backbone_SBH, weight_VH, labels_KSB, opts: DivergenceOptions):
+        K, S, B, H = h_draft_KSBH.shape
+        V = weight_VH.shape[0]
+        dtype = compute_dtype(h_draft_KSBH.dtype, weight_VH.dtype)
+        with_grad = ctx.needs_input_grad[0]
+        kernel = row_kernel(opts.impl)
+        num_stats = (len(STAT_KEYS) + (labels_KSB is not None)) if opts.with_stats else 0
+        value_KSB = h_draft_KSBH.new_empty((K, S, B), dtype=dtype)
+        stats_CKSB = h_draft_KSBH.new_empty((num_stats, K, S, B), dtype=dtype)
+        u_KSBH = torch.empty_like(h_draft_KSBH, dtype=weight_VH.dtype) if with_grad else None
+        # K zero positions past the end: every chunk reads exactly c + K - 1 backbone rows.
+        backbone_pad = torch.cat([h_backbone_SBH, h_backbone_SBH.new_zeros((K, B, H))])
+        positions = max(1, opts.chunk_tokens // B)
+        ws = Workspace()
         with torch.no_grad():
-            value_R, saved_CR, stats_CR, _ = forward_chunks(
-                lambda rows: (draft_RH[rows] @ weight_VH.t(), target_RH[rows] @ weight_VH.t()),
-                K * N, opts, compute_dtype(h_draft_KNH.dtype, weight_VH.dtype), h_draft_KNH,
-            )
-        ctx.opts = opts
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(h_draft_KNH, h_target_KNH, weight_VH, saved_CR)
-        stats_CKN = stats_CR.view(-1, K, N)
-        ctx.mark_non_differentiable(stats_CKN)
-        return value_R.view(K, N), stats_CKN
+            for a in range(0, S, positions):
+                b = min(a + positions, S)
+                c = b - a
+                target_cKBV = backbone_pad[a + 1 : b + K] @ weight_VH.t()  # shared by the K steps
+                for k in range(1, K + 1):
+                    draft_RV = (h_draft_KSBH[k - 1, a:b] @ weight_VH.t()).view(c * B, V)
+                    out = kernel.forward_rows(
+                        draft_RV, target_cKBV[k - 1 : k - 1 + c].view(c * B, V), kind=opts.kind,
+                        target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature,
+                        tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=with_grad, ws=ws,
+                    )
+                    value_KSB[k - 1, a:b] = out.value_R.view(c, B)
+                    if opts.with_stats:
+                        stats_CKSB[: len(STAT_KEYS), k - 1, a:b] = out.stats_CR.view(-1, c, B)
+                        if labels_KSB is not None:
+                            stats_CKSB[-1, k - 1, a:b] = (out.argmax_R.view(c, B) == labels_KSB[k - 1, a:b])
+                    if with_grad:
+                        u_rows = u_KSBH[k - 1, a:b].view(c * B, H)
+                        torch.matmul(out.grad_RV.to(weight_VH.dtype), weight_VH, out=u_rows)
+                    del draft_RV, out
+                del target_cKBV
+        if with_grad:
+            ctx.save_for_backward(u_KSBH)
+            ctx.draft_dtype = h_draft_KSBH.dtype
+        ctx.mark_non_differentiable(stats_CKSB)
+        return value_KSB, stats_CKSB
 
     @staticmethod
-    def backward(ctx, grad_value_KN, _grad_stats):
+    def backward(ctx, grad_value_KSB, _grad_stats):
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        opts = ctx.opts
-        h_draft_KNH, h_target_KNH, weight_VH, saved_CR = ctx.saved_tensors
-        K, N, H = h_draft_KNH.shape
-        draft_RH, target_RH = h_draft_KNH.reshape(K * N, H), h_target_KNH.reshape(K * N, H)
-        grad_value_R = grad_value_KN.reshape(K * N)
-        grad_RH = torch.empty_like(draft_RH)
-        ws = Workspace()
-        for rows in _chunks(K * N, opts.chunk_tokens):
-            grad_logits_RV = grad_rows(
-                draft_RH[rows] @ weight_VH.t(), target_RH[rows] @ weight_VH.t(), saved_CR[:, rows],
-                grad_value_R[rows], kind=opts.kind, target_temperature=opts.target_temperature,
-                draft_temperature=opts.draft_temperature, ws=ws,
-            )
-            torch.matmul(grad_logits_RV.to(weight_VH.dtype), weight_VH, out=grad_RH[rows])
-        return grad_RH.view(K, N, H), None, None, None
+            return None, None, None, None, None
+        (u_KSBH,) = ctx.saved_tensors
+        # Out of place: a retained graph may run backward again.
+        grad = u_KSBH.to(grad_value_KSB.dtype) * grad_value_KSB[..., None]
+        return grad.to(ctx.draft_dtype), None, None, None, None
+
+
+__all__ = ["FusedLinearDivergence", "TOP1"]

@@ -103,6 +103,7 @@ class RowResult:
     saved_CR: torch.Tensor  # SAVED_ROWS stacked
     stats_CR: torch.Tensor | None  # STAT_KEYS stacked (per row, not yet summed)
     grad_RV: torch.Tensor | None  # d value / d draft logits (a workspace view), when asked for
+    argmax_R: torch.Tensor | None = None  # global argmax of q (lowest index on ties), with stats
 
 
 def _probs(draft_RV, target_RV, max_q, max_p, *, target_temperature, draft_temperature, ws, dtype):
@@ -148,6 +149,7 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
         parts["kl"] = _sum_plogratio(p, logp, logq, scratch)
     if kind == "reverse_kl":
         parts["reverse_kl"] = parts["aux"] = _sum_plogratio(q, logq, logp, scratch)
+    index = None
     if with_stats:
         parts["entropy_target"] = -_zero_nan_(torch.mul(p, logp, out=scratch)).sum(-1)
         parts["entropy_draft"] = -_zero_nan_(torch.mul(q, logq, out=scratch)).sum(-1)
@@ -174,7 +176,7 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
     if with_grad:
         scale = torch.full_like(value, 1.0 / draft_temperature)
         grad = direction(kind, q, p, logq, logp, q_where_le, aux, scale, scratch)
-    return RowResult(value, saved, stats, grad)
+    return RowResult(value, saved, stats, grad, index)
 
 
 def grad_rows(draft_RV, target_RV, saved_CR, scale_R, *, kind, target_temperature, draft_temperature,

@@ -24,7 +24,7 @@ import torch
 from bebop_megatron.losses.functions import DEFAULT_CHUNK_TOKENS, DivergenceOptions, E2EChain, VocabDivergence
 from bebop_megatron.losses.kernel_torch import STAT_KEYS
 
-IMPLS = ("torch",)
+IMPLS = ("torch", "triton")
 REDUCTIONS = ("mean", "sum")
 
 
@@ -40,7 +40,7 @@ def chain_lengths(valid_KN: torch.Tensor) -> torch.Tensor:
 
 def _check_common(impl: str, target_temperature: float, draft_temperature: float, chunk_tokens: int) -> None:
     if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS} (the Triton kernel is not implemented yet), got {impl!r}")
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     for name, tau in (("target_temperature", target_temperature), ("draft_temperature", draft_temperature)):
         if not tau > 0:
             raise ValueError(f"{name} must be > 0, got {tau!r}")
@@ -59,7 +59,7 @@ def _options(kind, valid, shape_KN, *, tp_group, target_temperature, draft_tempe
     return DivergenceOptions(
         kind="tv" if kind == "e2e_tv" else kind, target_temperature=float(target_temperature),
         draft_temperature=float(draft_temperature), tp_group=tp_group, chunk_tokens=chunk_tokens,
-        with_stats=return_stats, grad_in_forward=grad_in_forward,
+        with_stats=return_stats, grad_in_forward=grad_in_forward, impl=impl,
     )
 
 
@@ -74,7 +74,7 @@ def _objective(kind, draft_logits, target_logits, valid, *, reduction, return_st
     return _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats)
 
 
-def _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats):
+def _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats, stat_keys=STAT_KEYS):
     """Per-row divergences -> the objective's loss (and per-step stat sums)."""
     K = value_KN.shape[0]
     chain_KN = chain_mask(valid)
@@ -89,7 +89,7 @@ def _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats):
     if not return_stats:
         return loss
     sums_CK = torch.where(chain_KN, stats_CKN, 0.0).sum(-1)
-    stats = dict(zip(STAT_KEYS, sums_CK.unbind(0)))
+    stats = dict(zip(stat_keys, sums_CK.unbind(0)))
     stats["count"] = chain_KN.sum(-1).to(sums_CK.dtype)
     return loss, stats
 
@@ -114,7 +114,8 @@ _COMMON_DOC = """
             callers can reduce them across micro-batches and ranks.
         grad_in_forward: compute d loss / d draft_logits during the forward and store it
             (one more logits-sized buffer) instead of recomputing the softmaxes in backward.
-        impl: "torch" (chunked plain torch; the only one so far).
+        impl: "torch" (chunked plain torch, the CPU default) or "triton" (the Triton kernels of
+            ``kernel_triton``, tiled over the vocabulary; CUDA tensors).
 
     Returns the scalar loss in the compute dtype (float32, or float64 for float64 logits),
     differentiable w.r.t. ``draft_logits`` only; ``(loss, stats)`` with ``return_stats``.
@@ -136,42 +137,57 @@ _EQUIVALENT_SUFFIX = """
 OBJECTIVE_KINDS = ("e2e_tv", "tv", "kl", "reverse_kl")
 
 
-def fused_linear_objective(kind, draft_hidden, target_hidden, weight, valid, *, tp_group=None,
+def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *, labels=None, tp_group=None,
                            target_temperature=1.0, draft_temperature=1.0, reduction="mean",
                            chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False, impl="torch"):
     """An objective computed from hidden states through the output projection, chunked.
 
     Plain-torch equivalent (what it computes, without ever holding all logits)::
 
-        draft_logits = draft_hidden @ weight.T      # [K, N, V_local]
-        target_logits = target_hidden @ weight.T    # [K, N, V_local], treated as detached
-        OBJECTIVES[kind](draft_logits, target_logits, valid, ...)
+        draft_logits = draft_hidden @ weight.T                      # [K, S, B, V_local]
+        z = backbone_hidden @ weight.T                              # [S, B, V_local], detached
+        target_logits = stack([z[k:] padded to S for k in 1..K])    # step k's target is z[s + k]
+        valid = valid & (s + k < S)                                 # past the end: invalid
+        OBJECTIVES[kind](draft_logits.flatten(1, 2), target_logits.flatten(1, 2), valid.flatten(1), ...)
 
-    ``draft_hidden``, ``target_hidden``: ``[K, N, H]`` (step k's target hidden state is
-    already aligned to the draft's position); ``weight``: ``[V_local, H]``, this TP rank's
-    vocabulary shard of the (frozen) output layer. Differentiable w.r.t. ``draft_hidden``
-    only; under TP the returned gradient is this rank's partial sum (see
-    :mod:`bebop_megatron.losses.fused`). At most ``chunk_tokens x V_local`` logits of each
-    kind are alive at once.
+    ``draft_hidden``: ``[K, S, B, H]``, the K MTP steps' hidden states (row k-1 is step k);
+    ``backbone_hidden``: ``[S, B, H]``, the frozen backbone's final hidden states (one
+    tensor serves all K steps, shifted by k); ``weight``: ``[V_local, H]``, this TP rank's
+    vocabulary shard of the (frozen) output layer; ``valid``: bool ``[K, S, B]``.
+    ``labels`` (optional, ``[K, S, B]`` global token ids, step k's data token at s): adds
+    ``top1`` to the stats, the count of positions where argmax q is the data token (ties
+    to the lowest index), a by-product of the same pass.
+
+    Differentiable w.r.t. ``draft_hidden`` only; under TP the returned gradient is this
+    rank's partial sum. The gradient is computed during the forward (see
+    :mod:`bebop_megatron.losses.fused` for the chunking, the memory bound and the cost).
     """
-    from bebop_megatron.losses.fused import FusedLinearDivergence
+    from bebop_megatron.losses.fused import TOP1, FusedLinearDivergence
 
     if kind not in OBJECTIVE_KINDS:
         raise ValueError(f"kind must be one of {OBJECTIVE_KINDS}, got {kind!r}")
-    if draft_hidden.dim() != 3 or draft_hidden.shape != target_hidden.shape:
+    if draft_hidden.dim() != 4 or backbone_hidden.dim() != 3 or draft_hidden.shape[1:] != backbone_hidden.shape:
         raise ValueError(
-            f"draft_hidden and target_hidden must both be [K, N, H], got {tuple(draft_hidden.shape)} "
-            f"and {tuple(target_hidden.shape)}"
+            f"draft_hidden must be [K, S, B, H] and backbone_hidden [S, B, H], got {tuple(draft_hidden.shape)} "
+            f"and {tuple(backbone_hidden.shape)}"
         )
     if weight.dim() != 2 or weight.shape[1] != draft_hidden.shape[-1]:
         raise ValueError(f"weight must be [V_local, H={draft_hidden.shape[-1]}], got {tuple(weight.shape)}")
+    K, S, B, _ = draft_hidden.shape
+    if labels is not None and tuple(labels.shape) != (K, S, B):
+        raise ValueError(f"labels must be [K, S, B] = {(K, S, B)}, got {tuple(labels.shape)}")
     opts = _options(
-        kind, valid, draft_hidden.shape[:2], tp_group=tp_group, target_temperature=target_temperature,
+        kind, valid, (K, S, B), tp_group=tp_group, target_temperature=target_temperature,
         draft_temperature=draft_temperature, reduction=reduction, chunk_tokens=chunk_tokens,
         return_stats=return_stats, impl=impl,
     )
-    value_KN, stats_CKN = FusedLinearDivergence.apply(draft_hidden, target_hidden.detach(), weight.detach(), opts)
-    return _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats)
+    inside = torch.arange(S, device=valid.device)[None, :] + torch.arange(1, K + 1, device=valid.device)[:, None] < S
+    valid_KN = (valid.bool() & inside[..., None]).flatten(1)
+    value_KSB, stats_CKSB = FusedLinearDivergence.apply(
+        draft_hidden, backbone_hidden.detach(), weight.detach(), labels, opts
+    )
+    keys = STAT_KEYS + ((TOP1,) if labels is not None else ())
+    return _combine(kind, value_KSB.flatten(1), stats_CKSB.flatten(2), valid_KN, reduction, return_stats, keys)
 
 
 def _doc(summary: str, body: str) -> str:
@@ -262,7 +278,7 @@ def tv_distance(draft_logits, target_logits, *, tp_group=None, target_temperatur
         )
     opts = DivergenceOptions(
         kind="tv", target_temperature=float(target_temperature), draft_temperature=float(draft_temperature),
-        tp_group=tp_group, chunk_tokens=chunk_tokens, grad_in_forward=grad_in_forward,
+        tp_group=tp_group, chunk_tokens=chunk_tokens, grad_in_forward=grad_in_forward, impl=impl,
     )
     value_KN, _ = VocabDivergence.apply(draft_logits[None], target_logits.detach()[None], opts)
     return value_KN[0]

@@ -3,8 +3,9 @@
 Legend: S sequence, B micro-batch, H hidden, K MTP steps, V_local this TP rank's vocab shard.
 
 Step k (1..K) at position t predicts token x_{t+k+1} = labels[t+k]. It is valid when
-t+k < S and loss_mask[t+k] is set; a chain stops at its first invalid step
-(DESIGN.md section 1), so step k counts only where steps 1..k are all valid.
+t+k < S, loss_mask[t+k] is set and t+k is in t's document (packed rows); a chain stops at
+its first invalid step (DESIGN.md section 1), so step k counts only where steps 1..k are
+all valid.
 
 Per position with K_t >= 1 valid leading steps, L_t = (1/K) sum_{k<=K_t} CE_k(t) for CE,
 or the objective's L_t (e2e TV, Eq. 13; see :mod:`bebop_megatron.losses`); the loss is the
@@ -16,7 +17,6 @@ the count of the whole global batch, across micro-batches and data-parallel rank
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from bebop_megatron.config import LossConfig
@@ -26,8 +26,11 @@ from bebop_megatron.losses import STAT_KEYS, chain_mask, fused_linear_objective
 STAT_ROWS = ("ce_sum", "top1_correct", "count", *STAT_KEYS)
 
 
-def chain_valid(loss_mask_BS: torch.Tensor, num_steps: int) -> torch.Tensor:
-    """Bool ``[K, B, S]``: step k valid at t and every earlier step of the chain valid too."""
+def chain_valid(loss_mask_BS: torch.Tensor, num_steps: int, segment_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool ``[K, B, S]``: step k valid at t and every earlier step of the chain valid too.
+
+    Step k is valid at t when t+k < S, ``loss_mask[t+k]`` is set and (with ``segment_ids``)
+    t+k lies in t's document."""
     B, S = loss_mask_BS.shape
     ok_BS = loss_mask_BS > 0
     steps = []
@@ -35,25 +38,10 @@ def chain_valid(loss_mask_BS: torch.Tensor, num_steps: int) -> torch.Tensor:
         shifted = torch.zeros_like(ok_BS)
         if k < S:
             shifted[:, : S - k] = ok_BS[:, k:]
+            if segment_ids_BS is not None:
+                shifted[:, : S - k] &= segment_ids_BS[:, k:] == segment_ids_BS[:, : S - k]
         steps.append(shifted)
     return chain_mask(torch.stack(steps))
-
-
-def _vocab_parallel_top1_correct(logits_SBV: torch.Tensor, target_SB: torch.Tensor, tp_group) -> torch.Tensor:
-    """1 where the target token holds the (global) maximum logit. Ties count as correct."""
-    v_local = logits_SBV.shape[-1]
-    rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    start = rank * v_local
-    local = (target_SB >= start) & (target_SB < start + v_local)
-    idx = (target_SB - start).clamp(0, v_local - 1)
-    target_logit = logits_SBV.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
-    target_logit = torch.where(local, target_logit, torch.full_like(target_logit, float("-inf")))
-    max_logit = logits_SBV.max(dim=-1).values
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        both = torch.stack([target_logit, max_logit])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=tp_group)
-        target_logit, max_logit = both[0], both[1]
-    return (target_logit >= max_logit).float()
 
 
 def _shift_targets(x_SB: torch.Tensor, num_steps: int) -> torch.Tensor:
@@ -86,17 +74,6 @@ def _output_weight(model) -> torch.Tensor:
     return weight if weight is not None else model.output_layer.weight
 
 
-@torch.no_grad()
-def _top1_correct_chunked(hidden_NH, target_N, weight_VH, tp_group, chunk_tokens: int) -> torch.Tensor:
-    """``[N]`` 1 where the data token holds the global max logit, ``chunk_tokens`` rows at a time."""
-    out = torch.empty(hidden_NH.shape[0], dtype=torch.float32, device=hidden_NH.device)
-    for start in range(0, hidden_NH.shape[0], chunk_tokens):
-        rows = slice(start, start + chunk_tokens)
-        logits_RV = (hidden_NH[rows] @ weight_VH.t()).unsqueeze(1)
-        out[rows] = _vocab_parallel_top1_correct(logits_RV, target_N[rows].unsqueeze(1), tp_group).squeeze(1)
-    return out
-
-
 def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: LossConfig):
     """Returns ``(loss_sum, num_positions, stats)``; ``stats`` is ``[len(STAT_ROWS), K]`` sums.
 
@@ -110,29 +87,26 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     chunks = torch.chunk(hidden, 1 + K, dim=0)
     weight_VH = _output_weight(model)
     labels_SB = batch.labels.t().contiguous()
-    valid_KSB = chain_valid(batch.loss_mask, K).transpose(1, 2)
+    valid_KSB = chain_valid(batch.loss_mask, K, batch.segment_ids).transpose(1, 2)
     data_targets_KSB = _shift_targets(labels_SB, K)  # step k at t predicts labels[t+k]
-    valid_KN = valid_KSB.flatten(1)
     stats = torch.zeros(len(STAT_ROWS), K, dtype=torch.float32, device=hidden.device)
-    stats[2] = valid_KN.sum(-1).float()
+    stats[2] = valid_KSB.flatten(1).sum(-1).float()
     num_positions = valid_KSB[0].sum().to(torch.int)
 
-    with torch.no_grad():  # the frozen backbone, shifted per step: step k's target is at t+k
-        target_KNH = _shift_targets(_full_sequence(chunks[0], model, tp_group), K).flatten(1, 2)
-    draft_KNH = torch.stack([_full_sequence(chunks[k], model, tp_group) for k in range(1, K + 1)]).flatten(1, 2)
-    for k in range(K):
-        top1_N = _top1_correct_chunked(draft_KNH[k], data_targets_KSB[k].flatten(), weight_VH, tp_group, loss_cfg.chunk_tokens)
-        stats[1, k] = (top1_N * valid_KN[k]).sum()
+    with torch.no_grad():  # the frozen backbone; step k's target is at t+k (shifted inside the loss)
+        backbone_SBH = _full_sequence(chunks[0], model, tp_group)
+    draft_KSBH = torch.stack([_full_sequence(chunks[k], model, tp_group) for k in range(1, K + 1)])
 
     objective = "e2e_tv" if loss_cfg.type == "ce" else loss_cfg.type
     kwargs = dict(
-        tp_group=tp_group, target_temperature=loss_cfg.target_temperature,
+        labels=data_targets_KSB, tp_group=tp_group, target_temperature=loss_cfg.target_temperature,
         draft_temperature=loss_cfg.draft_temperature, reduction="sum",
-        chunk_tokens=loss_cfg.chunk_tokens, return_stats=True,
+        chunk_tokens=loss_cfg.chunk_tokens, return_stats=True, impl=loss_cfg.impl,
     )
+    args = (objective, draft_KSBH, backbone_SBH, weight_VH, valid_KSB)
     if loss_cfg.type == "ce":
         with torch.no_grad():
-            _, dist_stats = fused_linear_objective(objective, draft_KNH, target_KNH, weight_VH, valid_KN, **kwargs)
+            _, dist_stats = fused_linear_objective(*args, **kwargs)
         per_position_SB = torch.zeros(labels_SB.shape, dtype=torch.float32, device=hidden.device)
         for k in range(1, K + 1):
             logits_SBV, _ = model.output_layer(chunks[k], weight=model.output_weight())
@@ -142,7 +116,8 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
             stats[0, k - 1] = (ce_SB.detach() * valid_SB).sum()
         loss_sum = per_position_SB.sum() / K
     else:
-        loss_sum, dist_stats = fused_linear_objective(objective, draft_KNH, target_KNH, weight_VH, valid_KN, **kwargs)
+        loss_sum, dist_stats = fused_linear_objective(*args, **kwargs)
+    stats[1] = dist_stats["top1"].float()
     for row, key in enumerate(STAT_KEYS, start=3):
         stats[row] = dist_stats[key].float()
     return loss_sum.float(), num_positions, stats
