@@ -39,11 +39,13 @@ def run_microbatches(
     micro_batch_size: int,
     has_mtp: bool,
     force_all_reduce: bool = False,
+    forward_only: bool = False,
 ) -> list:
     """Returns the loss functions' per-micro-batch outputs (empty on backbone-only stages).
 
     ``force_all_reduce``: all-reduce gradients even with the distributed optimizer, so that
-    every rank holds the full gradient (for inspection and tests).
+    every rank holds the full gradient (for inspection and tests). ``forward_only``:
+    evaluation, no backward (the caller runs it under ``torch.no_grad``).
     """
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return forward_backward_no_pipelining(
@@ -53,7 +55,7 @@ def run_microbatches(
             num_microbatches=num_microbatches,
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
-            forward_only=False,
+            forward_only=forward_only,
             force_all_reduce=force_all_reduce,
         )
     return _frozen_backbone_pipeline(
@@ -65,11 +67,12 @@ def run_microbatches(
         micro_batch_size=micro_batch_size,
         has_mtp=has_mtp,
         force_all_reduce=force_all_reduce,
+        forward_only=forward_only,
     )
 
 
 def _frozen_backbone_pipeline(*, forward_step_func, data_iterator, model, num_microbatches,
-                              seq_length, micro_batch_size, has_mtp, force_all_reduce) -> list:
+                              seq_length, micro_batch_size, has_mtp, force_all_reduce, forward_only) -> list:
     config = model.config
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     p2p = P2PCommunicator(pp_group=pp_group, config=config)
@@ -112,9 +115,10 @@ def _frozen_backbone_pipeline(*, forward_step_func, data_iterator, model, num_mi
                 current_microbatch=i,
                 is_last_stage=True,
             )
-            backward_step(None, output, None, config)
+            if not forward_only:
+                backward_step(None, output, None, config)
         total_num_tokens += num_tokens
-    if last and config.finalize_model_grads_func is not None:
+    if last and not forward_only and config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model],
             total_num_tokens if config.calculate_per_token_loss else None,

@@ -135,14 +135,16 @@ class Trainer:
 
     # ---------------------------------------------------------------- step
 
-    def forward_backward(self, micro_batches, force_all_reduce: bool = False) -> list:
+    def forward_backward(self, micro_batches, force_all_reduce: bool = False, forward_only: bool = False) -> list:
         """Zero grads, then forward/backward over the step's micro-batches (grads finalized).
 
         ``force_all_reduce`` leaves the full gradient on every rank also with the
-        distributed optimizer (which otherwise reduce-scatters).
+        distributed optimizer (which otherwise reduce-scatters). ``forward_only``: the
+        loss and statistics only, gradients untouched.
         """
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        if not forward_only:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
         return run_microbatches(
             forward_step_func=functools.partial(
                 _forward_step, num_steps=self.cfg.mtp.num_steps, device=self._comm_device,
@@ -155,7 +157,14 @@ class Trainer:
             micro_batch_size=self.cfg.train.micro_batch_size,
             has_mtp=self.has_mtp,
             force_all_reduce=force_all_reduce,
+            forward_only=forward_only,
         )
+
+    def evaluate(self, micro_batches) -> StepMetrics:
+        """Loss and acceptance statistics of held-out micro-batches (forward only, no update)."""
+        with torch.no_grad():
+            outputs = self.forward_backward(micro_batches, forward_only=True)
+        return self.reduce_metrics(outputs, torch.tensor(0.0))
 
     def optimizer_step(self) -> torch.Tensor:
         """Clip, update and advance the LR schedule; returns the global grad norm.

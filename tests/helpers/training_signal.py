@@ -1,0 +1,94 @@
+"""Train tiny MTP heads on the frozen backbone's own samples; report held-out acceptance.
+
+    python tests/helpers/training_signal.py --out FILE key=value ...
+
+The paper's setting in miniature: the training data are sequences the frozen backbone
+generates itself (temperature 1, as RFT data are the model's own responses), so CE on the
+data tokens is a sampled estimate of forward KL to the backbone and the objectives compete
+on the same target. The backbone's random initialisation (same seed whatever the loss)
+gives the distribution; ``model.init_method_std`` sets how peaked it is.
+
+Writes JSON: held-out alpha_RS / alpha_TO / H(p) per MTP step before training and after
+``train.steps`` steps, and the training losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+
+from bebop_megatron.config import load_config
+from bebop_megatron.data import Batch
+from bebop_megatron.training import Trainer
+
+
+@torch.no_grad()
+def sample_from_backbone(trainer: Trainer, num: int, length: int, seed: int) -> torch.Tensor:
+    """``[num, length + 1]`` tokens sampled autoregressively from the backbone (temperature 1)."""
+    model = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
+    vocab = trainer.cfg.model.vocab_size
+    K = trainer.cfg.mtp.num_steps
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.zeros(num, length + 1, dtype=torch.long)
+    seqs[:, 0] = torch.randint(0, vocab, (num,), generator=g)
+    positions = torch.arange(length).expand(num, length)
+    for t in range(length):
+        hidden = model(seqs[:, :length], positions, None)  # causal: position t sees tokens <= t only
+        backbone_SBH = torch.chunk(hidden, 1 + K, dim=0)[0]
+        logits = backbone_SBH[t] @ model.output_layer.weight.t()
+        probs = torch.softmax(logits[:, :vocab].float(), -1)  # padded vocabulary entries excluded
+        seqs[:, t + 1] = torch.multinomial(probs, 1, generator=g)[:, 0]
+    return seqs
+
+
+def batches_of(seqs: torch.Tensor, micro: int, first_id: int) -> list[Batch]:
+    out = []
+    for i in range(0, seqs.shape[0], micro):
+        chunk = seqs[i : i + micro]
+        B, S = chunk.shape[0], chunk.shape[1] - 1
+        out.append(Batch(
+            tokens=chunk[:, :-1].contiguous(), labels=chunk[:, 1:].contiguous(), loss_mask=torch.ones(B, S),
+            position_ids=torch.arange(S).expand(B, S).contiguous(),
+            sample_ids=torch.arange(first_id + i, first_id + i + B), segment_ids=torch.zeros(B, S, dtype=torch.long),
+        ))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--train-samples", type=int, default=512)
+    parser.add_argument("--heldout-samples", type=int, default=128)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    trainer = Trainer(load_config(overrides=args.overrides), log=lambda *a, **k: None)
+    cfg = trainer.cfg
+    S, micro = cfg.train.seq_length, cfg.train.micro_batch_size
+    per_step = cfg.train.global_batch_size // micro
+    train = batches_of(sample_from_backbone(trainer, args.train_samples, S, seed=1), micro, 0)
+    heldout = batches_of(sample_from_backbone(trainer, args.heldout_samples, S, seed=2), micro, 10**6)
+
+    before = trainer.evaluate(heldout)
+    losses = []
+    for step in range(cfg.train.steps):
+        first = (step * per_step) % len(train)
+        metrics = trainer.train_step([train[(first + j) % len(train)] for j in range(per_step)])
+        losses.append(metrics.loss)
+    after = trainer.evaluate(heldout)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({
+                "loss_type": cfg.loss.type, "losses": losses,
+                "before": {"alpha_rs": before.alpha_rs, "alpha_to": before.alpha_to,
+                           "entropy_target": before.entropy_target},
+                "after": {"alpha_rs": after.alpha_rs, "alpha_to": after.alpha_to,
+                          "entropy_target": after.entropy_target, "entropy_draft": after.entropy_draft},
+            }, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Training signal: e2e TV raises held-out alpha_RS, and beats CE on it (issue 3).
+
+Both runs train the same tiny MTP head for 200 steps on sequences sampled from the same
+frozen random backbone (tests/helpers/training_signal.py), then measure alpha_RS against
+the backbone on held-out samples. The backbone's init std (0.25) gives H(p) ~ 3.2 nats.
+Measured on the CI machine: e2e_tv 0.18 -> 0.34, ce 0.18 -> 0.31 (per MTP step). With a
+peakier backbone (init std 0.5, H(p) ~ 1.6) 200 steps are not enough for TV: e2e_tv ends at
+0.08 and ce at 0.11 (TV's gradient is bounded by q, weak while q is far from a peaked p);
+this test does not cover that regime.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.helpers.launch import run_script
+
+TINY = [
+    "device=cpu", "save.dir=null", "train.resume=none", "model.num_layers=2", "model.hidden_size=64",
+    "model.ffn_hidden_size=128", "model.num_attention_heads=4", "model.num_query_groups=2", "model.vocab_size=128",
+    "model.init_method_std=0.25", "mtp.num_layers=1", "mtp.num_steps=2", "train.seq_length=32",
+    "train.micro_batch_size=16", "train.global_batch_size=16", "train.steps=200", "train.lr=3e-3",
+]
+
+
+def _run(tmp_path, loss_type: str) -> dict:
+    out = tmp_path / f"{loss_type}.json"
+    run_script("training_signal.py", ["--out", str(out), *TINY, f"loss.type={loss_type}"], nproc=1, timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_e2e_tv_raises_heldout_alpha_rs_above_ce(tmp_path):
+    tv, ce = _run(tmp_path, "e2e_tv"), _run(tmp_path, "ce")
+    assert tv["before"] == ce["before"]  # same backbone, same held-out data, same initial head
+    for k, (start, end_tv, end_ce) in enumerate(zip(tv["before"]["alpha_rs"], tv["after"]["alpha_rs"],
+                                                    ce["after"]["alpha_rs"]), start=1):
+        print(f"MTP step {k}: held-out alpha_RS start {start:.3f}, after 200 steps e2e_tv {end_tv:.3f}, ce {end_ce:.3f}")
+        assert end_tv > start + 0.05
+        assert end_tv > end_ce
+    assert tv["losses"][-1] < tv["losses"][0]
