@@ -24,26 +24,16 @@ allocated then. One row per run is appended to benchmarks/results.csv; see READM
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
-import platform
-import resource
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from datetime import datetime, timezone
-from importlib.metadata import version
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Worker, append_results, reply, rss_mb  # noqa: E402
+
 K = 3
-TAG = "BENCH_JSON "
-CSV_PATH = Path(__file__).with_name("results.csv")
-COLUMNS = ["date", "machine", "torch", "megatron_core", "device", "layers", "hidden", "seq", "K",
-           "step_F_ms", "step_a_ms", "step_b_ms", "ratio_F_a", "ratio_F_b", "ideal_F_b", "mem_F_mb", "mem_b_mb"]
 
 
 def overrides(args, freeze: bool) -> list[str]:
@@ -59,13 +49,6 @@ def overrides(args, freeze: bool) -> list[str]:
 
 
 # ------------------------------------------------------------------ worker (one variant)
-
-def rss_mb(peak: bool = False) -> float:
-    """Peak (ru_maxrss: KiB on Linux) or current (/proc/self/statm) resident set size."""
-    if peak or not os.path.exists("/proc/self/statm"):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def worker(args) -> None:
@@ -143,63 +126,38 @@ def worker(args) -> None:
            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad), "torch": torch.__version__})
 
 
-def reply(obj: dict) -> None:
-    print(TAG + json.dumps(obj), flush=True)
-
-
 # ------------------------------------------------------------------ driver
 
 
-class Worker:
-    """One variant in its own process, stepping on request (stderr kept in a temp file)."""
-
-    def __init__(self, variant: str, args):
-        cmd = [sys.executable, __file__, "--worker", variant, "--warmup", str(args.warmup), "--iters", str(args.iters),
-               "--layers", str(args.layers), "--hidden", str(args.hidden), "--seq", str(args.seq), "--device", args.device]
-        self.variant, self.err = variant, tempfile.TemporaryFile("w+")
-        with socket.socket() as sock:  # a free port for this process's torch.distributed
-            sock.bind(("127.0.0.1", 0))
-            env = dict(os.environ, MASTER_PORT=str(sock.getsockname()[1]))
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
-
-    def ask(self, command: str) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith(TAG):
-                return json.loads(line[len(TAG):])
-        self.err.seek(0)
-        sys.exit(f"variant {self.variant} failed (exit {self.proc.wait()}):\n{self.err.read()[-4000:]}")
+def _worker_cmd(variant: str, args) -> list[str]:
+    return [sys.executable, __file__, "--worker", variant, "--warmup", str(args.warmup), "--iters", str(args.iters),
+            "--layers", str(args.layers), "--hidden", str(args.hidden), "--seq", str(args.seq), "--device", args.device]
 
 
 def run_all(args) -> dict:
     """Interleaved: every round runs one step of each variant (rotating the order)."""
-    workers = [Worker(v, args) for v in ("F", "a", "b")]
+    workers = [Worker(v, _worker_cmd(v, args)) for v in ("F", "a", "b")]
     try:
         for w in workers:
             w.read()  # "ready": Trainer built
-        steps = {w.variant: [] for w in workers}
+        steps = {w.name: [] for w in workers}
         for r in range(args.warmup + args.iters):
             for w in workers[r % 3:] + workers[: r % 3]:
-                steps[w.variant].append(w.ask("step"))
+                steps[w.name].append(w.ask("step"))
         res = {}
         for w in workers:
-            timed = steps[w.variant][args.warmup:]
-            res[w.variant] = w.ask("end") | {
+            timed = steps[w.name][args.warmup:]
+            res[w.name] = w.ask("end") | {
                 "step_ms": 1e3 * statistics.median(sum(t["parts"].values()) for t in timed),
                 "min_ms": 1e3 * min(sum(t["parts"].values()) for t in timed),
                 "cpu_ms": 1e3 * statistics.median(t["cpu"] for t in timed),
                 "parts_ms": {k: 1e3 * statistics.median(t["parts"][k] for t in timed) for k in timed[0]["parts"]},
-                "loss0": steps[w.variant][0]["loss"], "grad_norm0": steps[w.variant][0]["norm"],
+                "loss0": steps[w.name][0]["loss"], "grad_norm0": steps[w.name][0]["norm"],
             }
         return res
     finally:
         for w in workers:
-            w.proc.kill()
-            w.proc.wait()
+            w.close()
 
 
 def main() -> None:
@@ -252,17 +210,13 @@ def main() -> None:
     if abs(F["loss0"] - a["loss0"]) > 1e-4 * max(abs(F["loss0"]), 1):
         print("WARNING: F and a first-step losses differ: the lower bound does not compute the same loss")
 
-    row = [datetime.now(timezone.utc).isoformat(timespec="seconds"), f"{platform.node()} ({os.cpu_count()} cpus)",
-           F["torch"], version("megatron-core"), args.device, L, args.hidden, args.seq, K,
-           *(f"{x:.1f}" for x in (F["step_ms"], a["step_ms"], b["step_ms"])),
-           *(f"{x:.3f}" for x in (r_fa, r_fb, ideal)), f"{F['mem_mb']:.1f}", f"{b['mem_mb']:.1f}"]
-    new = not CSV_PATH.exists() or CSV_PATH.stat().st_size == 0
-    with open(CSV_PATH, "a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(COLUMNS)
-        w.writerow(row)
-    print(f"appended to {CSV_PATH} ({time.perf_counter() - t_start:.0f} s)")
+    append_results(
+        "bench_frozen_step", args.device, {"layers": L, "hidden": args.hidden, "seq": args.seq, "K": K},
+        {"step_F_ms": F["step_ms"], "step_a_ms": a["step_ms"], "step_b_ms": b["step_ms"], "ratio_F_a": r_fa,
+         "ratio_F_b": r_fb, "ideal_F_b": ideal, "mem_F_mb": F["mem_mb"], "mem_b_mb": b["mem_mb"]},
+        F["torch"],
+    )
+    print(f"({time.perf_counter() - t_start:.0f} s)")
 
 
 if __name__ == "__main__":

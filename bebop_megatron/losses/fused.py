@@ -16,16 +16,17 @@ The sequence is processed c positions at a time (c x B <= ``chunk_tokens`` rows)
 * each step's draft logits (``R x V``) go through the chunk kernel, then are dropped.
 
 The gradient is computed **during the forward**, as fused linear-loss kernels do: the
-kernel returns ``g = d value / d draft logits`` for the chunk's rows and the forward keeps
-only its projection ``u = g @ W`` (``R x H``). Backward then needs no recomputation: the
-incoming per-row gradient (from the e2e chain or the mean) scales ``u`` row by row, which
-commutes with the projection. Per step and chunk this is 3 GEMMs in total (backbone logits
-shared by K steps, draft logits, ``g @ W``), against 2 + 1 in backward for the naive
-autograd formula plus its ``K x N x V`` logits, probabilities and gradients.
+kernel returns ``g = d value / d draft logits`` for the chunk's rows, written over the
+draft logits it has just read, and the forward keeps only its projection ``u = g @ W``
+(``R x H``). Backward then needs no recomputation: the incoming per-row gradient (from the
+e2e chain or the mean) scales ``u`` row by row, which commutes with the projection. Per
+step and chunk this is 2 GEMMs plus the shared backbone GEMM, against the naive autograd
+formula's 2 + 1 in backward on top of its ``K x N x V`` logits, probabilities and gradients.
 
 Alive at once: the chunk's backbone logits ((c + K - 1) x B x V), one step's draft logits
-(R x V) and the kernel's 4-6 R x V buffers, whatever S is; saved for backward: ``u``
-(``K x S x B x H`` in the compute dtype, one draft-hidden-state-sized tensor).
+(R x V, then its gradient) and the elementwise kernel's 4-6 buffers of ``R / KERNEL_BLOCKS``
+rows (the kernel runs on that many rows at a time), whatever S is; saved for backward:
+``u`` (``K x S x B x H``, one draft-hidden-state-sized tensor).
 
 Positions past the end of the sequence (s + k >= S) read zero hidden states (uniform
 target, finite); their steps are invalid, so they get zero gradient.
@@ -45,6 +46,12 @@ from bebop_megatron.losses.functions import DivergenceOptions, row_kernel
 from bebop_megatron.losses.kernel_torch import STAT_KEYS, Workspace, compute_dtype
 
 TOP1 = "top1"  # extra stat row when labels are given: 1 where argmax q is the data token
+KERNEL_BLOCKS = 8  # the elementwise kernel runs on chunk_tokens / KERNEL_BLOCKS rows at a time
+
+
+def _blocks(num_rows: int, size: int):
+    for start in range(0, num_rows, size):
+        yield slice(start, min(start + size, num_rows))
 
 
 class FusedLinearDivergence(torch.autograd.Function):
@@ -64,9 +71,10 @@ class FusedLinearDivergence(torch.autograd.Function):
         with_grad = ctx.needs_input_grad[0]
         kernel = row_kernel(opts.impl)
         num_stats = (len(STAT_KEYS) + (labels_KSB is not None)) if opts.with_stats else 0
-        value_KSB = h_draft_KSBH.new_empty((K, S, B), dtype=dtype)
-        stats_CKSB = h_draft_KSBH.new_empty((num_stats, K, S, B), dtype=dtype)
-        u_KSBH = torch.empty_like(h_draft_KSBH, dtype=weight_VH.dtype) if with_grad else None
+        value_KN = h_draft_KSBH.new_empty((K, S * B), dtype=dtype)
+        stats_CKN = h_draft_KSBH.new_empty((num_stats, K, S * B), dtype=dtype)
+        u_KNH = h_draft_KSBH.new_empty((K, S * B, H), dtype=weight_VH.dtype) if with_grad else None
+        labels_KN = labels_KSB.reshape(K, S * B) if labels_KSB is not None else None
         # K zero positions past the end: every chunk reads exactly c + K - 1 backbone rows.
         backbone_pad = torch.cat([h_backbone_SBH, h_backbone_SBH.new_zeros((K, B, H))])
         positions = max(1, opts.chunk_tokens // B)
@@ -78,26 +86,31 @@ class FusedLinearDivergence(torch.autograd.Function):
                 target_cKBV = backbone_pad[a + 1 : b + K] @ weight_VH.t()  # shared by the K steps
                 for k in range(1, K + 1):
                     draft_RV = (h_draft_KSBH[k - 1, a:b] @ weight_VH.t()).view(c * B, V)
-                    out = kernel.forward_rows(
-                        draft_RV, target_cKBV[k - 1 : k - 1 + c].view(c * B, V), kind=opts.kind,
-                        target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature,
-                        tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=with_grad, ws=ws,
-                    )
-                    value_KSB[k - 1, a:b] = out.value_R.view(c, B)
-                    if opts.with_stats:
-                        stats_CKSB[: len(STAT_KEYS), k - 1, a:b] = out.stats_CR.view(-1, c, B)
-                        if labels_KSB is not None:
-                            stats_CKSB[-1, k - 1, a:b] = (out.argmax_R.view(c, B) == labels_KSB[k - 1, a:b])
+                    target_RV = target_cKBV[k - 1 : k - 1 + c].view(c * B, V)
+                    for rows in _blocks(c * B, max(1, opts.chunk_tokens // KERNEL_BLOCKS)):
+                        out = kernel.forward_rows(
+                            draft_RV[rows], target_RV[rows], kind=opts.kind,
+                            target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature,
+                            tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=with_grad, ws=ws,
+                        )
+                        flat = slice(a * B + rows.start, a * B + rows.stop)  # rows of the [S * B] positions
+                        value_KN[k - 1, flat] = out.value_R
+                        if opts.with_stats:
+                            stats_CKN[: len(STAT_KEYS), k - 1, flat] = out.stats_CR
+                            if labels_KN is not None:
+                                stats_CKN[-1, k - 1, flat] = out.argmax_R == labels_KN[k - 1, flat]
+                        if with_grad:  # these draft logits are read: their rows now hold the gradient
+                            draft_RV[rows].copy_(out.grad_RV)
                     if with_grad:
-                        u_rows = u_KSBH[k - 1, a:b].view(c * B, H)
-                        torch.matmul(out.grad_RV.to(weight_VH.dtype), weight_VH, out=u_rows)
-                    del draft_RV, out
+                        torch.matmul(draft_RV, weight_VH, out=u_KNH[k - 1, a * B : b * B])
+                    del draft_RV, target_RV
                 del target_cKBV
         if with_grad:
-            ctx.save_for_backward(u_KSBH)
+            ctx.save_for_backward(u_KNH.view(K, S, B, H))
             ctx.draft_dtype = h_draft_KSBH.dtype
+        stats_CKSB = stats_CKN.view(num_stats, K, S, B)
         ctx.mark_non_differentiable(stats_CKSB)
-        return value_KSB, stats_CKSB
+        return value_KN.view(K, S, B), stats_CKSB
 
     @staticmethod
     def backward(ctx, grad_value_KSB, _grad_stats):

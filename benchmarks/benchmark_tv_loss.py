@@ -1,0 +1,157 @@
+"""The e2e TV loss fused with the output projection vs the naive autograd formula.
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/benchmark_tv_loss.py            # the issue's shape, ~10 min on 2 cores
+    .venv/bin/python benchmarks/benchmark_tv_loss.py --tokens 256 --vocab 32000 --iters 2   # a quick look
+
+Shape (defaults, the issue's): K=3 MTP steps, T=1024 tokens, H=2048, V=151,936 (the Qwen
+vocabulary), float32, one rank. Inputs: the K draft hidden states ``[K, T, 1, H]``
+(requires grad), the backbone hidden states ``[T, 1, H]`` and the output weight ``[V, H]``
+(frozen), all positions valid except where t + k runs past the sequence.
+
+Variants, each in its own process (inputs from the same seed):
+
+  fused  ``fused_linear_objective("e2e_tv", ...)``: logits chunk by chunk
+         (``--chunk-tokens``, default 512), backbone logits shared by the K steps,
+         gradient computed during the forward.
+  naive  the plain formula with full logits materialised, differentiated by autograd:
+         z = h_backbone @ W.T once, step k's target is z[t + k] (a strided view, no copy),
+         q = softmax(h_draft @ W.T), d = 1 - sum min(p, q), the e2e chain product.
+
+One step = forward + backward (to the draft hidden states). Time: median over ``--iters``
+steps after ``--warmup``, the two processes stepped alternately. Peak extra memory: the
+highest RSS sampled during a step (every 2 ms) minus the RSS before it (inputs allocated,
+previous gradient freed). The two variants' losses and gradients are compared.
+Targets (PASS/MISS): peak extra memory fused <= 1/8 naive; time fused <= 1.0 x naive.
+Rows are appended to ``benchmarks/results.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PeakRSS, Worker, append_results, reply  # noqa: E402
+
+
+def inputs(args):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    K, T, H, V = args.steps, args.tokens, args.hidden, args.vocab
+    weight = torch.randn(V, H, generator=g) * (2.0 / H**0.5)  # logits of std ~2: entropy ~ a few nats
+    backbone = torch.randn(T, 1, H, generator=g)
+    draft = (backbone[None] + 0.5 * torch.randn(K, T, 1, H, generator=g)).requires_grad_(True)
+    valid = torch.ones(K, T, 1, dtype=torch.bool)
+    for k in range(1, K + 1):
+        valid[k - 1, T - k:] = False
+    return draft, backbone, weight, valid
+
+
+def naive_loss(draft, backbone, weight, valid):
+    """The e2e TV loss as a user would write it: full logits, autograd."""
+    import torch
+
+    K, T, _, H = draft.shape
+    V = weight.shape[0]
+    with torch.no_grad():
+        z = torch.cat([backbone[:, 0], backbone.new_zeros(K, H)]) @ weight.t()  # [T + K, V]
+        p = torch.softmax(z, -1).as_strided((K, T, V), (V, V, 1), V)  # step k's target: z[t + k]
+    q = torch.softmax(draft[:, :, 0] @ weight.t(), -1)  # [K, T, V]
+    d = 1.0 - torch.minimum(p, q).sum(-1)  # [K, T]
+    chain = valid[:, :, 0].long().cumprod(0).bool()
+    acc = torch.where(chain, 1.0 - d, 0.0).cumprod(0)
+    per_pos = torch.where(chain, 1.0 - acc, 0.0).sum(0) / K
+    return per_pos.sum() / chain[0].sum().clamp(min=1)
+
+
+def worker(args) -> None:
+    import torch
+
+    from bebop_megatron.losses import fused_linear_objective
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    draft, backbone, weight, valid = inputs(args)
+    if args.worker == "fused":
+        def loss_fn():
+            return fused_linear_objective("e2e_tv", draft, backbone, weight, valid, chunk_tokens=args.chunk_tokens)
+    else:
+        def loss_fn():
+            return naive_loss(draft, backbone, weight, valid)
+    reply({"ready": True, "torch": torch.__version__, "threads": torch.get_num_threads()})
+    for line in sys.stdin:
+        if line.strip() != "step":
+            break
+        draft.grad = None
+        with PeakRSS() as mem:
+            t0 = time.perf_counter()
+            loss = loss_fn()
+            loss.backward()
+            elapsed = time.perf_counter() - t0
+        reply({"time": elapsed, "mem_mb": mem.extra_mb, "loss": float(loss),
+               "grad_norm": float(draft.grad.double().norm()), "grad_head": draft.grad.flatten()[:4096].tolist()})
+
+
+def main() -> None:
+    verdict = {True: "PASS", False: "MISS"}.get
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="K, MTP steps")
+    p.add_argument("--tokens", type=int, default=1024, help="T, tokens (sequence positions, batch 1)")
+    p.add_argument("--hidden", type=int, default=2048, help="H")
+    p.add_argument("--vocab", type=int, default=151936, help="V")
+    p.add_argument("--chunk-tokens", type=int, default=512, help="loss.chunk_tokens of the fused variant")
+    p.add_argument("--iters", type=int, default=3, help="timed steps per variant (median reported)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--worker", choices=("fused", "naive"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+
+    t_start = time.perf_counter()
+    shape = ["--steps", str(args.steps), "--tokens", str(args.tokens), "--hidden", str(args.hidden),
+             "--vocab", str(args.vocab), "--chunk-tokens", str(args.chunk_tokens)]
+    workers = [Worker(v, [sys.executable, __file__, "--worker", v, *shape]) for v in ("fused", "naive")]
+    try:
+        info = [w.read() for w in workers]
+        steps = {w.name: [] for w in workers}
+        for r in range(args.warmup + args.iters):
+            for w in workers[r % 2:] + workers[: r % 2]:
+                steps[w.name].append(w.ask("step"))
+                print(f"  {w.name:<5} step {r}: {steps[w.name][-1]['time']:.2f} s, "
+                      f"+{steps[w.name][-1]['mem_mb']:.0f} MB", flush=True)
+    finally:
+        for w in workers:
+            w.close()
+    res = {}
+    for name, runs in steps.items():
+        timed = runs[args.warmup:] or runs
+        res[name] = {"time": statistics.median(s["time"] for s in timed), "mem": max(s["mem_mb"] for s in runs),
+                     "loss": runs[0]["loss"], "grad_norm": runs[0]["grad_norm"], "head": runs[0]["grad_head"]}
+    f, n = res["fused"], res["naive"]
+    t_ratio, m_ratio = f["time"] / n["time"], f["mem"] / max(n["mem"], 1e-9)
+    max_diff = max(abs(a - b) for a, b in zip(f["head"], n["head"]))
+    print(f"K={args.steps} T={args.tokens} H={args.hidden} V={args.vocab} float32 chunk_tokens={args.chunk_tokens} "
+          f"threads={info[0]['threads']} warmup={args.warmup} iters={args.iters}")
+    print(f"{'variant':<8}{'fwd+bwd s':>11}{'peak extra MB':>15}{'loss':>12}{'grad norm':>14}")
+    for name, r in res.items():
+        print(f"{name:<8}{r['time']:>11.2f}{r['mem']:>15.0f}{r['loss']:>12.6f}{r['grad_norm']:>14.6e}")
+    print(f"agreement: |loss diff| = {abs(f['loss'] - n['loss']):.2e}, max |grad diff| (first 4096) = {max_diff:.2e}")
+    print(f"time fused / naive = {t_ratio:.3f}  (target <= 1.0) {verdict(t_ratio <= 1.0)}")
+    print(f"peak extra memory fused / naive = {m_ratio:.4f} = 1/{1 / max(m_ratio, 1e-9):.1f}  "
+          f"(target <= 1/8) {verdict(m_ratio <= 1 / 8)}")
+    append_results(
+        "benchmark_tv_loss", "cpu",
+        {"K": args.steps, "T": args.tokens, "H": args.hidden, "V": args.vocab, "chunk_tokens": args.chunk_tokens},
+        {"fused_s": f["time"], "naive_s": n["time"], "time_ratio": t_ratio, "fused_mem_mb": f["mem"],
+         "naive_mem_mb": n["mem"], "mem_ratio": m_ratio, "loss_abs_diff": abs(f["loss"] - n["loss"])},
+        info[0]["torch"],
+    )
+    print(f"({time.perf_counter() - t_start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Shared pieces of the benchmarks: worker processes, memory readings, the results CSV.
+
+Every benchmark runs its variants in separate worker processes (a fresh process gives each
+variant its own peak-memory reading) that the driver keeps alive and steps round-robin, so
+a change of machine load during the run hits all variants alike. Workers answer with one
+JSON object per line, prefixed by ``TAG``.
+
+``results.csv`` is long-format, one row per measured number, so benchmarks with different
+parameters share it: ``date, machine, torch, megatron_core, device, benchmark, params,
+metric, value`` (``params`` is ``key=value`` pairs separated by spaces).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from datetime import datetime, timezone
+from importlib.metadata import version
+from pathlib import Path
+
+TAG = "BENCH_JSON "
+CSV_PATH = Path(__file__).with_name("results.csv")
+COLUMNS = ["date", "machine", "torch", "megatron_core", "device", "benchmark", "params", "metric", "value"]
+
+
+def reply(obj: dict) -> None:
+    """Worker side: one JSON answer on stdout."""
+    print(TAG + json.dumps(obj), flush=True)
+
+
+def rss_mb(peak: bool = False) -> float:
+    """Peak (ru_maxrss: KiB on Linux) or current (/proc/self/statm) resident set size."""
+    if peak or not os.path.exists("/proc/self/statm"):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PeakRSS:
+    """Context manager sampling the current RSS every ``interval`` s: ``.extra_mb`` is the
+    highest reading above the reading at entry (large CPU tensors are mmap-backed, so the
+    RSS follows live tensor memory; a GB-sized buffer lives far longer than one interval)."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval, self.extra_mb = interval, 0.0
+
+    def __enter__(self):
+        self._base = self._peak = rss_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._peak = max(self._peak, rss_mb())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, rss_mb())
+        self.extra_mb = self._peak - self._base
+        return False
+
+
+class Worker:
+    """One variant in its own process (``cmd``), answering on request; stderr kept in a temp file."""
+
+    def __init__(self, name: str, cmd: list[str]):
+        self.name, self.err = name, tempfile.TemporaryFile("w+")
+        with socket.socket() as sock:  # a free port, should the worker initialise torch.distributed
+            sock.bind(("127.0.0.1", 0))
+            env = dict(os.environ, MASTER_PORT=str(sock.getsockname()[1]))
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
+
+    def ask(self, command: str) -> dict:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG):])
+        self.err.seek(0)
+        sys.exit(f"variant {self.name} failed (exit {self.proc.wait()}):\n{self.err.read()[-4000:]}")
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def append_results(benchmark: str, device: str, params: dict, metrics: dict, torch_version: str) -> None:
+    """Append one row per metric to ``results.csv`` (header written when the file is new)."""
+    stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    machine = f"{platform.node()} ({os.cpu_count()} cpus)"
+    param_str = " ".join(f"{k}={v}" for k, v in params.items())
+    new = not CSV_PATH.exists() or CSV_PATH.stat().st_size == 0
+    with open(CSV_PATH, "a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(COLUMNS)
+        for metric, value in metrics.items():
+            w.writerow([stamp, machine, torch_version, version("megatron-core"), device, benchmark, param_str, metric,
+                        value if isinstance(value, str) else f"{value:.6g}"])
+    print(f"appended {len(metrics)} rows to {CSV_PATH}")
