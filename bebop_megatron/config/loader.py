@@ -198,6 +198,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"save.interval={cfg.save.interval} must be >= 0")
     if t.log_interval < 1:
         raise ConfigError(f"train.log_interval={t.log_interval} must be >= 1")
+    from bebop_megatron.config.sources import validate_data  # imports ConfigError from here
+
+    validate_data(cfg)
 
 
 def _validate_pipeline_layout(cfg: Config) -> None:

@@ -7,7 +7,7 @@ optional YAML file and dotted ``key=value`` overrides (OmegaConf).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -109,11 +109,33 @@ class LossConfig:
 
 @dataclass
 class DataConfig:
+    train_files: list[Any] = field(default_factory=list)
+    """Training sources; empty = the built-in synthetic data. Each entry is a path or
+    ``{path: ..., weight: ...}`` (a blend: documents are drawn in proportion to the weights;
+    give a weight for every entry or for none). A path is a JSONL file (``messages``,
+    ``prompt``/``response`` or ``text`` per line) or a Megatron indexed dataset written by
+    ``tools/preprocess_data.py`` (``PREFIX``, ``PREFIX.bin`` or ``PREFIX.idx``). Relative
+    paths are relative to the working directory. Without weights the files form one corpus."""
+    valid_files: list[Any] = field(default_factory=list)
+    """Validation sources, same form as ``train_files``; empty = no validation data."""
+    tokenizer: Optional[str] = None
+    """Local Hugging Face tokenizer directory (loaded without network access); None = the
+    built-in byte-level tokenizer (UTF-8 bytes plus a few special tokens)."""
+    train_on: str = "response"
+    """``response``: train only on response / assistant tokens (and the EOS after them);
+    ``all``: every token. Untrained positions are invalid MTP targets, so chains stop there."""
+    on_error: str = "fail"
+    """Bad JSONL lines: ``fail`` stops before training with ``PATH:LINE: what is wrong``;
+    ``skip`` skips them and reports how many were skipped and why."""
+    overlong: str = "truncate"
+    """Documents longer than ``train.seq_length + 1`` tokens: ``truncate`` (keep the first
+    ``seq_length + 1``) or ``drop``; either way counted in one summary warning."""
     num_samples: int = 4096
     """Synthetic dataset size (samples of ``train.seq_length + 1`` tokens)."""
     markov_branching: int = 4
     """Synthetic data: successors per token in the generating Markov chain (lower = easier)."""
     seed: int = 1234
+    """Synthetic data generation and the shuffle of real data (a new permutation per epoch)."""
 
 
 @dataclass

@@ -1,5 +1,26 @@
-"""Training data: the built-in synthetic dataset and micro-batch iteration."""
+"""Training data: synthetic rows, JSONL / chat / indexed datasets, packing, masks, batches.
 
-from bebop_megatron.data.synthetic import MarkovDataset, Batch, batch_iterator
+What the trainer uses (see :mod:`bebop_megatron.data.builder`):
 
-__all__ = ["MarkovDataset", "Batch", "batch_iterator"]
+- :func:`load_tokenizer` / :func:`check_vocab_size`: the run's tokenizer, checked against
+  ``model.vocab_size``.
+- :func:`build_train_dataset` / :func:`build_valid_dataset`: row datasets (synthetic or
+  packed documents) with ``row(i)`` for any global row ``i``.
+- :func:`batch_iterator`: per optimizer step, this DP rank's micro-batches (:class:`Batch`)
+  from ``start_sample = consumed_samples``; the order does not depend on the DP size.
+
+User errors are :class:`DataError` (a ``ValueError``).
+"""
+
+from bebop_megatron.data.batches import Batch, batch_iterator, make_batch
+from bebop_megatron.data.builder import build_train_dataset, build_valid_dataset, load_tokenizer
+from bebop_megatron.data.errors import DataError, DataWarning
+from bebop_megatron.data.packing import PackedDataset
+from bebop_megatron.data.synthetic import MarkovDataset
+from bebop_megatron.data.tokenizer import ByteTokenizer, HFTokenizer, check_vocab_size
+
+__all__ = [
+    "Batch", "ByteTokenizer", "DataError", "DataWarning", "HFTokenizer", "MarkovDataset", "PackedDataset",
+    "batch_iterator", "build_train_dataset", "build_valid_dataset", "check_vocab_size", "load_tokenizer",
+    "make_batch",
+]

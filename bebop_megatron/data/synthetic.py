@@ -5,30 +5,14 @@ next-token distribution has low, non-zero entropy and MTP heads can learn to dra
 Sample ``i`` depends only on ``(seed, i)``: any rank, layout or resume point regenerates
 exactly the same tokens.
 
-Legend: B micro-batch, S sequence length.
+Legend: S sequence length (a sample has S + 1 tokens: S inputs, S labels).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator
-
 import numpy as np
-import torch
 
-
-@dataclass
-class Batch:
-    tokens: torch.Tensor  # [B, S] int64 inputs
-    labels: torch.Tensor  # [B, S] int64, labels[:, t] = next token after tokens[:, t]
-    loss_mask: torch.Tensor  # [B, S] float, 1 where labels[:, t] is trained on
-    position_ids: torch.Tensor  # [B, S] int64
-    sample_ids: torch.Tensor  # [B] int64, global sample index (for resume checks)
-    segment_ids: torch.Tensor  # [B, S] int64, document of each position within its packed row
-    # (0, 1, 2, ... in order; -1 on padding). Attention and MTP chains never cross documents.
-
-    def to(self, device: torch.device) -> "Batch":
-        return Batch(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
+from bebop_megatron.data.batches import Batch, batch_iterator, make_batch  # noqa: F401 (re-exported)
 
 
 class MarkovDataset:
@@ -60,41 +44,15 @@ class MarkovDataset:
             out[t + 1] = self.successors[out[t], min(int(np.searchsorted(row, u[t])), row.size - 1)]
         return out
 
-
-def make_batch(dataset: MarkovDataset, sample_ids: list[int]) -> Batch:
-    seqs = torch.from_numpy(np.stack([dataset[i % len(dataset)] for i in sample_ids]))
-    tokens, labels = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
-    B, S = tokens.shape
-    return Batch(
-        tokens=tokens,
-        labels=labels,
-        loss_mask=torch.ones(B, S, dtype=torch.float32),
-        position_ids=torch.arange(S).unsqueeze(0).expand(B, S).contiguous(),
-        sample_ids=torch.tensor(sample_ids, dtype=torch.int64),
-        segment_ids=torch.zeros(B, S, dtype=torch.int64),
-    )
-
-
-def batch_iterator(
-    dataset: MarkovDataset,
-    *,
-    start_sample: int,
-    global_batch_size: int,
-    micro_batch_size: int,
-    dp_rank: int,
-    dp_size: int,
-) -> Iterator[list[Batch]]:
-    """Yield, per optimizer step, this DP rank's micro-batches of the global batch.
-
-    Global batch ``g`` covers samples ``[start + g*G, start + (g+1)*G)``; DP rank ``r`` takes
-    the contiguous slice ``r*G/dp .. (r+1)*G/dp`` of it, split into micro-batches. The
-    global order does not depend on the DP size, so a resumed run with another DP size
-    continues with the next unseen sample.
-    """
-    per_rank = global_batch_size // dp_size
-    step_start = start_sample
-    while True:
-        first = step_start + dp_rank * per_rank
-        ids = list(range(first, first + per_rank))
-        yield [make_batch(dataset, ids[i : i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]
-        step_start += global_batch_size
+    def row(self, index: int) -> dict[str, np.ndarray]:
+        """Row ``index`` (wrapping past the end) in the format of :mod:`bebop_megatron.data.batches`:
+        one document filling the row, every label trained."""
+        seq = self[index % self.num_samples]
+        S = self.seq_length
+        return {
+            "tokens": seq[:-1],
+            "labels": seq[1:],
+            "loss_mask": np.ones(S, dtype=np.float32),
+            "position_ids": np.arange(S, dtype=np.int64),
+            "segment_ids": np.zeros(S, dtype=np.int64),
+        }

@@ -1,0 +1,76 @@
+"""Micro-batches from any row dataset, split over data-parallel ranks in a resumable order.
+
+A *row dataset* has ``seq_length``, ``__len__`` and ``row(i) -> dict`` of numpy arrays
+``tokens``, ``labels``, ``position_ids``, ``segment_ids`` (int64 [S]) and ``loss_mask``
+(float32 [S]) for any global row index ``i >= 0`` (rows past ``len()`` continue into the
+next epoch or wrap around). :class:`~bebop_megatron.data.synthetic.MarkovDataset` and
+:class:`~bebop_megatron.data.packing.PackedDataset` are row datasets.
+
+Legend: B micro-batch, S sequence length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, S] int64 inputs
+    labels: torch.Tensor  # [B, S] int64, labels[:, t] = next token after tokens[:, t]
+    loss_mask: torch.Tensor  # [B, S] float, 1 where labels[:, t] is trained on
+    position_ids: torch.Tensor  # [B, S] int64
+    sample_ids: torch.Tensor  # [B] int64, global sample index (for resume checks)
+    segment_ids: torch.Tensor  # [B, S] int64, document of each position within its packed row
+    # (0, 1, 2, ... in order; -1 on padding). Attention and MTP chains never cross documents.
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(**{k: v.to(device, non_blocking=True) for k, v in vars(self).items()})
+
+
+class RowDataset(Protocol):
+    seq_length: int
+
+    def __len__(self) -> int: ...
+
+    def row(self, i: int) -> dict[str, np.ndarray]: ...
+
+
+_FIELDS = {"tokens": np.int64, "labels": np.int64, "loss_mask": np.float32, "position_ids": np.int64,
+           "segment_ids": np.int64}
+
+
+def make_batch(dataset: RowDataset, sample_ids: list[int]) -> Batch:
+    """Stack rows ``sample_ids`` (global row indices, kept as ``Batch.sample_ids``)."""
+    rows = [dataset.row(i) for i in sample_ids]
+    fields = {k: torch.from_numpy(np.stack([r[k] for r in rows]).astype(dt, copy=False)) for k, dt in _FIELDS.items()}
+    return Batch(sample_ids=torch.tensor(sample_ids, dtype=torch.int64), **fields)
+
+
+def batch_iterator(
+    dataset: RowDataset,
+    *,
+    start_sample: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+) -> Iterator[list[Batch]]:
+    """Yield, per optimizer step, this DP rank's micro-batches of the global batch.
+
+    Global batch ``g`` covers rows ``[start + g*G, start + (g+1)*G)``; DP rank ``r`` takes
+    the contiguous slice ``r*G/dp .. (r+1)*G/dp`` of it, split into micro-batches. The
+    global order does not depend on the DP size, so a run resumed from ``consumed_samples``
+    with another DP size continues with the next unseen row (no repeats, no skips).
+    """
+    per_rank = global_batch_size // dp_size
+    step_start = start_sample
+    while True:
+        first = step_start + dp_rank * per_rank
+        ids = list(range(first, first + per_rank))
+        yield [make_batch(dataset, ids[i : i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]
+        step_start += global_batch_size

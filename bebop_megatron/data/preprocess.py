@@ -1,0 +1,73 @@
+"""Tokenize JSONL files once into an indexed dataset (the logic of ``tools/preprocess_data.py``).
+
+The output is read back by ``data.train_files: [PREFIX]`` without re-tokenizing and gives
+exactly the rows the JSONL files give with the same tokenizer, ``train_on`` and seed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from bebop_megatron.data.errors import DataError, log_rank0
+from bebop_megatron.data.indexed import META_SUFFIX, IndexedWriter
+from bebop_megatron.data.jsonl import tokenize_jsonl
+from bebop_megatron.data.tokenizer import describe, signature, tokenizer_from_dir
+
+
+def preprocess(
+    inputs: Sequence[str],
+    output_prefix: str,
+    *,
+    tokenizer_dir: Optional[str] = None,
+    train_on: str = "response",
+    on_error: str = "fail",
+    log: Callable[[str], None] = log_rank0,
+    progress: bool = True,
+) -> dict:
+    """Write ``output_prefix`` (.bin/.idx, _lossmask.bin/.idx, _meta.json); returns the sidecar.
+
+    Documents are stored in input order, one sequence each. Raises :class:`DataError` for
+    bad input (``PATH:LINE: ...``) and leaves no partial output behind."""
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise DataError(f"--input {path}: no such file")
+    tokenizer = tokenizer_from_dir(tokenizer_dir)
+    parent = os.path.dirname(os.path.abspath(output_prefix))
+    writer: list[IndexedWriter] = []  # created at the first document: Megatron's import is slow
+
+    def emit(tokens: np.ndarray, trained: np.ndarray) -> None:
+        if not writer:
+            os.makedirs(parent, exist_ok=True)
+            writer.append(IndexedWriter(output_prefix, tokenizer.vocab_size))
+        writer[0].add(tokens, trained)
+
+    start, files = time.perf_counter(), []
+    try:
+        for path in inputs:
+            stats = tokenize_jsonl(path, tokenizer, emit, train_on=train_on, on_error=on_error, log=log,
+                                   progress=progress)
+            files.append({"path": path, "documents": stats.num_documents, "tokens": stats.num_tokens,
+                          "trained_tokens": stats.num_trained, "skipped": stats.skipped})
+        meta = {
+            "tokenizer": tokenizer_dir or "byte",
+            **signature(tokenizer),
+            "train_on": train_on,
+            "num_documents": sum(f["documents"] for f in files),
+            "num_tokens": sum(f["tokens"] for f in files),
+            "num_trained_tokens": sum(f["trained_tokens"] for f in files),
+            "inputs": files,
+        }
+        writer[0].finalize(meta)
+    except BaseException:
+        if writer:
+            writer[0].abort()
+        raise
+    seconds = time.perf_counter() - start
+    log(f"wrote {output_prefix}.bin/.idx (+ _lossmask, {os.path.basename(output_prefix)}{META_SUFFIX}): "
+        f"{meta['num_documents']} documents, {meta['num_tokens']} tokens with {describe(tokenizer)} in "
+        f"{seconds:.2f} s ({meta['num_tokens'] / max(seconds, 1e-9):,.0f} tokens/s)")
+    return meta

@@ -1,0 +1,47 @@
+"""Tokenize JSONL files into a Megatron indexed dataset, with the loss mask stored alongside.
+
+    python tools/preprocess_data.py --input a.jsonl b.jsonl --output-prefix data/train \
+        [--tokenizer HF_TOKENIZER_DIR] [--train-on response|all] [--on-error fail|skip]
+
+writes data/train.bin/.idx (tokens), data/train_lossmask.bin/.idx (trained flags) and
+data/train_meta.json; train on it with ``data.train_files=[data/train]`` (and the same
+``data.tokenizer``). The logic lives in :mod:`bebop_megatron.data.preprocess`.
+"""
+
+import argparse
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="JSONL lines: {\"messages\": [{\"role\", \"content\"}, ...]}, {\"prompt\", \"response\"} or "
+        "{\"text\"}.\nBad lines stop the run with PATH:LINE: ... (exit status 2) unless --on-error skip.",
+    )
+    parser.add_argument("--input", nargs="+", required=True, metavar="JSONL", help="input JSONL files, in order")
+    parser.add_argument("--output-prefix", required=True, metavar="PREFIX",
+                        help="writes PREFIX.bin/.idx, PREFIX_lossmask.bin/.idx and PREFIX_meta.json")
+    parser.add_argument("--tokenizer", metavar="DIR", default=None,
+                        help="local Hugging Face tokenizer directory (default: the built-in byte tokenizer)")
+    parser.add_argument("--train-on", choices=("response", "all"), default="response",
+                        help="tokens the stored loss mask marks as trained (default: response)")
+    parser.add_argument("--on-error", choices=("fail", "skip"), default="fail",
+                        help="bad lines: stop with PATH:LINE (fail, default) or skip and report counts")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from bebop_megatron.data.preprocess import preprocess
+
+    preprocess(args.input, args.output_prefix, tokenizer_dir=args.tokenizer, train_on=args.train_on,
+               on_error=args.on_error, progress=not args.no_progress)
+
+
+if __name__ == "__main__":
+    parse_args(sys.argv[1:])  # --help and usage errors before the library (and torch) import
+    from bebop_megatron.cli import run_cli
+
+    run_cli(lambda: main(sys.argv[1:]))
