@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bebop_megatron.losses import (
+    ACCEPT_LEN_KEYS,
     OBJECTIVES,
     STAT_KEYS,
     chain_lengths,
@@ -129,7 +130,7 @@ def test_matches_reference(kind, dtype, temps):
     assert loss.dtype == dtype and grad.dtype == dtype
     torch.testing.assert_close(loss.double(), want_loss, rtol=rel, atol=0)
     assert_close_scaled(grad, want_grad, 10 * rel, "gradient")
-    assert set(stats) == {*STAT_KEYS, "count"}
+    assert set(stats) == {*STAT_KEYS, *ACCEPT_LEN_KEYS, "count"}
     for name in STAT_KEYS:
         assert stats[name].shape == (K,)
         torch.testing.assert_close(stats[name].double(), want_stats[name], rtol=10 * rel, atol=10 * rel, msg=name)

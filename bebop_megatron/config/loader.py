@@ -198,6 +198,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"save.interval={cfg.save.interval} must be >= 0")
     if t.log_interval < 1:
         raise ConfigError(f"train.log_interval={t.log_interval} must be >= 1")
+    if cfg.eval.interval < 0:
+        raise ConfigError(f"eval.interval={cfg.eval.interval} must be >= 0")
+    if cfg.eval.max_samples < 0:
+        raise ConfigError(f"eval.max_samples={cfg.eval.max_samples} must be >= 0")
     from bebop_megatron.config.sources import validate_data  # imports ConfigError from here
 
     validate_data(cfg)

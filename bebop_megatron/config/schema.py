@@ -127,6 +127,10 @@ class DataConfig:
     on_error: str = "fail"
     """Bad JSONL lines: ``fail`` stops before training with ``PATH:LINE: what is wrong``;
     ``skip`` skips them and reports how many were skipped and why."""
+    pack: bool = True
+    """Pack several documents into each row of ``train.seq_length`` (attention and MTP
+    chains never cross documents: a per-document causal mask); ``false``: one document per
+    row, padded (needed with Transformer Engine layers for now)."""
     overlong: str = "truncate"
     """Documents longer than ``train.seq_length + 1`` tokens: ``truncate`` (keep the first
     ``seq_length + 1``) or ``drop``; either way counted in one summary warning."""
@@ -165,6 +169,15 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    interval: int = 0
+    """Evaluate on ``data.valid_files`` every N training steps and after the last step
+    (0: only after the last step). Ignored without ``data.valid_files``."""
+    max_samples: int = 0
+    """Validation rows (packed sequences) per evaluation: 0 = all of them."""
+
+
+@dataclass
 class SaveConfig:
     dir: Optional[str] = "checkpoints/tiny"
     """Checkpoint directory; None disables saving."""
@@ -184,4 +197,5 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     save: SaveConfig = field(default_factory=SaveConfig)

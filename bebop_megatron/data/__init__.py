@@ -12,7 +12,7 @@ What the trainer uses (see :mod:`bebop_megatron.data.builder`):
 User errors are :class:`DataError` (a ``ValueError``).
 """
 
-from bebop_megatron.data.batches import Batch, batch_iterator, make_batch
+from bebop_megatron.data.batches import Batch, attention_mask, batch_iterator, eval_batches, make_batch
 from bebop_megatron.data.builder import build_train_dataset, build_valid_dataset, load_tokenizer
 from bebop_megatron.data.errors import DataError, DataWarning
 from bebop_megatron.data.packing import PackedDataset
@@ -21,6 +21,6 @@ from bebop_megatron.data.tokenizer import ByteTokenizer, HFTokenizer, check_voca
 
 __all__ = [
     "Batch", "ByteTokenizer", "DataError", "DataWarning", "HFTokenizer", "MarkovDataset", "PackedDataset",
-    "batch_iterator", "build_train_dataset", "build_valid_dataset", "check_vocab_size", "load_tokenizer",
+    "attention_mask", "batch_iterator", "build_train_dataset", "eval_batches", "build_valid_dataset", "check_vocab_size", "load_tokenizer",
     "make_batch",
 ]

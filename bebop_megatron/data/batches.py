@@ -74,3 +74,41 @@ def batch_iterator(
         ids = list(range(first, first + per_rank))
         yield [make_batch(dataset, ids[i : i + micro_batch_size]) for i in range(0, per_rank, micro_batch_size)]
         step_start += global_batch_size
+
+
+def eval_batches(
+    dataset: RowDataset,
+    *,
+    num_rows: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+) -> Iterator[list[Batch]]:
+    """Rows ``0 .. num_rows-1`` once, in global batches split over DP ranks as in
+    :func:`batch_iterator`. The last global batch is filled up with copies of row 0 whose
+    ``loss_mask`` is zero, so every row counts exactly once and every rank runs the same
+    number of micro-batches."""
+    per_rank = global_batch_size // dp_size
+    for step_start in range(0, num_rows, global_batch_size):
+        first = step_start + dp_rank * per_rank
+        ids = list(range(first, first + per_rank))
+        micro = []
+        for i in range(0, per_rank, micro_batch_size):
+            chunk = ids[i : i + micro_batch_size]
+            batch = make_batch(dataset, [j if j < num_rows else 0 for j in chunk])
+            batch.loss_mask[torch.tensor([j >= num_rows for j in chunk])] = 0.0
+            micro.append(batch)
+        yield micro
+
+
+def attention_mask(segment_ids_BS: torch.Tensor) -> torch.Tensor | None:
+    """Megatron's boolean attention mask ``[B, 1, S, S]`` (True = masked) for packed rows:
+    causal and within the document (padding, segment -1, attends to padding). None when no
+    row holds more than one document: then the plain causal mask is the same."""
+    if not bool((segment_ids_BS > 0).any()):
+        return None
+    S = segment_ids_BS.shape[1]
+    causal_SS = torch.ones(S, S, dtype=torch.bool).tril_()
+    same_BSS = segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :]
+    return ~(same_BSS & causal_SS)[:, None]

@@ -85,7 +85,7 @@ def _build_packed(cfg, specs: list[SourceSpec], tokenizer, *, shuffle, name, log
     weights = [s.weight for s in specs] if specs[0].weight is not None else None
     return PackedDataset(
         sources, cfg.train.seq_length, tokenizer.pad_id, weights=weights, seed=cfg.data.seed,
-        overlong=cfg.data.overlong, shuffle=shuffle, log=log, name=name,
+        overlong=cfg.data.overlong, shuffle=shuffle, pack=cfg.data.pack, log=log, name=name,
     )
 
 

@@ -18,7 +18,8 @@ communication, no token reads):
    up-weighted source repeats and a down-weighted one continues where the last epoch stopped.
    The streams are interleaved in an order shuffled by ``(seed, e)``.
 4. Packing is greedy in that order: a document that does not fit in the row's remaining
-   slots starts a new row (next fit), the rest of the row is padding.
+   slots starts a new row (next fit), the rest of the row is padding. ``pack=False`` puts
+   one document per row (then attention needs no per-document mask).
 
 ``shuffle=False`` (validation) keeps the file order: sources one after the other.
 
@@ -112,13 +113,14 @@ class PackedDataset:
         seed: int = 0,
         overlong: str = "truncate",
         shuffle: bool = True,
+        pack: bool = True,
         log: Callable[[str], None] = log_rank0,
         name: str = "data",
     ):
         assert overlong in ("truncate", "drop") and len(sources) > 0
         assert weights is None or len(weights) == len(sources)
         self.sources, self.seq_length, self.pad_id = list(sources), seq_length, pad_id
-        self.seed, self.shuffle, self.name = seed % 2**63, shuffle, name
+        self.seed, self.shuffle, self.pack, self.name = seed % 2**63, shuffle, pack, name
         capacity = seq_length + 1
         # Documents are numbered globally (source after source): global id = offsets[s] + j.
         all_lengths = [np.asarray(src.lengths, dtype=np.int64) for src in self.sources]
@@ -181,7 +183,10 @@ class PackedDataset:
         for s in range(len(self.streams)):
             global_ids[labels == s] = self._stream_docs(s, epoch)  # k-th slot of s gets its k-th document
         sources = np.searchsorted(self.offsets, global_ids, side="right") - 1
-        row_starts = next_fit(self.lengths[global_ids], self.seq_length + 1)
+        if self.pack:
+            row_starts = next_fit(self.lengths[global_ids], self.seq_length + 1)
+        else:  # one document per row
+            row_starts = np.arange(len(global_ids) + 1, dtype=np.int64)
         plan = EpochPlan(sources, global_ids - self.offsets[sources], row_starts, global_ids)
         self._plans[epoch] = plan
         if len(self._plans) > 2:

@@ -6,6 +6,7 @@ analytic backward. ``reference`` holds the float64 plain-torch definitions the t
 
 from bebop_megatron.losses.kernel_torch import STAT_KEYS
 from bebop_megatron.losses.tv import (
+    ACCEPT_LEN_KEYS,
     chain_lengths,
     chain_mask,
     e2e_tv_loss,
@@ -19,7 +20,7 @@ from bebop_megatron.losses.tv import (
 OBJECTIVES = {"e2e_tv": e2e_tv_loss, "tv": tv_loss, "kl": forward_kl_loss, "reverse_kl": reverse_kl_loss}
 
 __all__ = [
-    "OBJECTIVES", "STAT_KEYS", "chain_lengths", "chain_mask", "e2e_tv_loss", "forward_kl_loss",
+    "ACCEPT_LEN_KEYS", "OBJECTIVES", "STAT_KEYS", "chain_lengths", "chain_mask", "e2e_tv_loss", "forward_kl_loss",
     "fused_linear_objective",
     "reverse_kl_loss", "tv_distance", "tv_loss",
 ]

@@ -81,7 +81,8 @@ def objective(kind, draft, target, valid, target_temperature=1.0, draft_temperat
 
 
 def stats(draft, target, valid, target_temperature=1.0, draft_temperature=1.0) -> dict[str, torch.Tensor]:
-    """Per-step ``[K]`` sums over valid-chain positions: alpha_rs, alpha_to, H(p), H(q), KL(p||q), count."""
+    """Per-step ``[K]`` sums over valid-chain positions: alpha_rs, alpha_to, H(p), H(q), KL(p||q),
+    accept_len_rs / accept_len_to (entry g-1: sum_{j<=g} prod_{i<=j} alpha_i of the position), count."""
     K, N = valid.shape
     with torch.no_grad():
         p = probs(target, target_temperature)
@@ -94,10 +95,17 @@ def stats(draft, target, valid, target_temperature=1.0, draft_temperature=1.0) -
             "entropy_draft": -torch.where(q > 0, q * q.log(), 0.0).sum(-1),
             "kl": kl(target, draft, target_temperature, draft_temperature),
         }
-        out = {name: torch.zeros(K, dtype=torch.float64) for name in [*rows, "count"]}
+        names = [*rows, "accept_len_rs", "accept_len_to", "count"]
+        out = {name: torch.zeros(K, dtype=torch.float64) for name in names}
         for t, m in enumerate(chain_lengths(valid)):
+            accepted = {"rs": 0.0, "to": 0.0}  # E[L](g) of this position, built up over g
+            survive = {"rs": 1.0, "to": 1.0}  # prod_{i<=g} alpha_i
             for k in range(m):
                 for name, row in rows.items():
                     out[name][k] += row[k, t]
+                for v in ("rs", "to"):
+                    survive[v] = survive[v] * float(rows[f"alpha_{v}"][k, t])
+                    accepted[v] += survive[v]
+                    out[f"accept_len_{v}"][k] += accepted[v]
                 out["count"][k] += 1
     return out

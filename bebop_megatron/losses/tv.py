@@ -24,6 +24,8 @@ import torch
 from bebop_megatron.losses.functions import DEFAULT_CHUNK_TOKENS, DivergenceOptions, E2EChain, VocabDivergence
 from bebop_megatron.losses.kernel_torch import STAT_KEYS
 
+ACCEPT_LEN_KEYS = ("accept_len_rs", "accept_len_to")
+
 IMPLS = ("torch", "triton")
 REDUCTIONS = ("mean", "sum")
 
@@ -90,6 +92,10 @@ def _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats, stat_key
         return loss
     sums_CK = torch.where(chain_KN, stats_CKN, 0.0).sum(-1)
     stats = dict(zip(stat_keys, sums_CK.unbind(0)))
+    for name, key in zip(ACCEPT_LEN_KEYS, ("alpha_rs", "alpha_to")):
+        # E[L](g) = sum_{j<=g} prod_{i<=j} alpha_i, per position, summed where its chain reaches g.
+        accept_len_KN = torch.cumsum(torch.cumprod(stats_CKN[stat_keys.index(key)], dim=0), dim=0)
+        stats[name] = torch.where(chain_KN, accept_len_KN, 0.0).sum(-1)
     stats["count"] = chain_KN.sum(-1).to(sums_CK.dtype)
     return loss, stats
 
@@ -110,8 +116,11 @@ _COMMON_DOC = """
         return_stats: also return ``stats``, a dict of ``[K]`` sums over each step's
             valid-chain positions: ``alpha_rs`` (sum_v min(p, q)), ``alpha_to`` (p at the
             argmax of q, ties to the lowest global index), ``entropy_target`` H(p),
-            ``entropy_draft`` H(q), ``kl`` KL(p||q), and ``count`` (positions). Sums, so
-            callers can reduce them across micro-batches and ranks.
+            ``entropy_draft`` H(q), ``kl`` KL(p||q), ``accept_len_rs`` / ``accept_len_to``
+            (entry g-1: the expected accepted length E[L](g) = sum_{j<=g} prod_{i<=j}
+            alpha_i of each position whose chain reaches g, with alpha_RS / alpha_TO) and
+            ``count`` (positions). Sums, so callers can reduce them across micro-batches
+            and ranks.
         grad_in_forward: compute d loss / d draft_logits during the forward and store it
             (one more logits-sized buffer) instead of recomputing the softmaxes in backward.
         impl: "torch" (chunked plain torch, the CPU default) or "triton" (the Triton kernels of

@@ -21,9 +21,9 @@ from megatron.core import tensor_parallel
 
 from bebop_megatron.config import LossConfig
 from bebop_megatron.data import Batch
-from bebop_megatron.losses import STAT_KEYS, chain_mask, fused_linear_objective
+from bebop_megatron.losses import ACCEPT_LEN_KEYS, STAT_KEYS, chain_mask, fused_linear_objective
 
-STAT_ROWS = ("ce_sum", "top1_correct", "count", *STAT_KEYS)
+STAT_ROWS = ("ce_sum", "top1_correct", "count", *STAT_KEYS, *ACCEPT_LEN_KEYS)
 
 
 def chain_valid(loss_mask_BS: torch.Tensor, num_steps: int, segment_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,7 +118,7 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     else:
         loss_sum, dist_stats = fused_linear_objective(*args, **kwargs)
     stats[1] = dist_stats["top1"].float()
-    for row, key in enumerate(STAT_KEYS, start=3):
+    for row, key in enumerate(STAT_KEYS + ACCEPT_LEN_KEYS, start=3):
         stats[row] = dist_stats[key].float()
     return loss_sum.float(), num_positions, stats
 

@@ -17,9 +17,17 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from bebop_megatron.config import Config, parallel_sizes, to_yaml
-from bebop_megatron.data import MarkovDataset, batch_iterator
+from bebop_megatron.config import Config, ConfigError, parallel_sizes, to_yaml
+from bebop_megatron.data import (
+    attention_mask,
+    batch_iterator,
+    build_train_dataset,
+    build_valid_dataset,
+    eval_batches,
+    load_tokenizer,
+)
 from bebop_megatron.model import build_model, mtp_parameters
+from bebop_megatron.model.builder import use_transformer_engine
 from bebop_megatron.platform import init_distributed, resolve_device
 from bebop_megatron.training import checkpoint as ckpt
 from bebop_megatron.training.loss import STAT_ROWS, mtp_loss
@@ -40,13 +48,22 @@ class StepMetrics:
     alpha_to: list[float] = field(default_factory=list)  # mean p(argmax q) per MTP step
     entropy_target: list[float] = field(default_factory=list)  # mean H(p)
     entropy_draft: list[float] = field(default_factory=list)  # mean H(q)
+    # Expected accepted length E[L](g), g = 1..K: per position sum_{j<=g} prod_{i<=j} alpha_i,
+    # averaged over the positions whose chain reaches g (rejection sampling / target-only).
+    accept_len_rs: list[float] = field(default_factory=list)
+    accept_len_to: list[float] = field(default_factory=list)
     tokens_per_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
 
 def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device, loss_cfg):
-    batch = next(data_iterator).to(device)
-    output = model(batch.tokens, batch.position_ids, None)
+    batch = next(data_iterator)
+    # Packed rows: causal attention within each document (None: plain causal). Rotary
+    # embeddings are relative, so the row's running positions give each document the same
+    # attention scores as positions restarting at 0.
+    mask = attention_mask(batch.segment_ids)
+    batch = batch.to(device)
+    output = model(batch.tokens, batch.position_ids, None if mask is None else mask.to(device))
     unwrapped = getattr(model, "module", model)
     if not unwrapped.post_process:
         return output, None
@@ -58,6 +75,16 @@ def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device,
         return loss_sum, count, {"loss_sum": loss_sum.detach(), "count": count, "stats": stats}
 
     return output, loss_func
+
+
+def check_packing(cfg: Config, use_te: bool) -> None:
+    """Packed rows need the per-document attention mask, which only the local layers take."""
+    if (cfg.data.train_files or cfg.data.valid_files) and cfg.data.pack and use_te:
+        raise ConfigError(
+            "data.pack=true needs a per-document attention mask, which the Transformer Engine layers "
+            "do not take yet (packed THD sequences are not implemented): set data.pack=false "
+            "(one document per row) or model.transformer_impl=local"
+        )
 
 
 class Trainer:
@@ -76,6 +103,12 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.rank, self.world = init_distributed(self.device)
         self.log = log if self.rank == 0 else (lambda *a, **k: None)
+        real_data = bool(cfg.data.train_files or cfg.data.valid_files)
+        check_packing(cfg, use_transformer_engine(cfg, self.device))
+        # Data first: a bad input line stops the run before any model is built.
+        tokenizer = load_tokenizer(cfg) if real_data else None
+        self.dataset = build_train_dataset(cfg, tokenizer=tokenizer, log=self.log, progress=self.rank == 0)
+        self.valid_dataset = build_valid_dataset(cfg, tokenizer=tokenizer, log=self.log, progress=self.rank == 0)
         self.sizes = setup_parallel(cfg, self.world)
         self.model = build_model(cfg, self.device)
         if cfg.model.backbone_checkpoint:
@@ -91,14 +124,8 @@ class Trainer:
         self.model.config.no_sync_func = self.model.no_sync
         self.model.config.finalize_model_grads_func = finalize_mtp_grads
         self.model.config.grad_scale_func = self.optimizer.scale_loss
-        self.dataset = MarkovDataset(
-            num_samples=cfg.data.num_samples,
-            seq_length=cfg.train.seq_length,
-            vocab_size=cfg.model.vocab_size,
-            branching=cfg.data.markov_branching,
-            seed=cfg.data.seed,
-        )
         self.step = 0
+        self.eval_history: list[StepMetrics] = []
         self.consumed_samples = 0
         self._maybe_resume()
 
@@ -166,6 +193,28 @@ class Trainer:
             outputs = self.forward_backward(micro_batches, forward_only=True)
         return self.reduce_metrics(outputs, torch.tensor(0.0))
 
+    def evaluate_valid(self) -> StepMetrics | None:
+        """One pass over ``data.valid_files`` (``eval.max_samples`` rows; 0 = all), every row
+        once; None without validation data."""
+        if self.valid_dataset is None:
+            return None
+        cfg = self.cfg
+        num_rows = len(self.valid_dataset)
+        if cfg.eval.max_samples:
+            num_rows = min(num_rows, cfg.eval.max_samples)
+        outputs = []
+        with torch.no_grad():
+            for micro_batches in eval_batches(
+                self.valid_dataset, num_rows=num_rows, global_batch_size=cfg.train.global_batch_size,
+                micro_batch_size=cfg.train.micro_batch_size,
+                dp_rank=parallel_state.get_data_parallel_rank(),
+                dp_size=parallel_state.get_data_parallel_world_size(),
+            ):
+                outputs += self.forward_backward(micro_batches, forward_only=True)
+        metrics = self.reduce_metrics(outputs, torch.tensor(0.0))
+        metrics.extra["rows"] = num_rows
+        return metrics
+
     def optimizer_step(self) -> torch.Tensor:
         """Clip, update and advance the LR schedule; returns the global grad norm.
 
@@ -222,6 +271,8 @@ class Trainer:
             alpha_to=mean["alpha_to"],
             entropy_target=mean["entropy_target"],
             entropy_draft=mean["entropy_draft"],
+            accept_len_rs=mean["accept_len_rs"],
+            accept_len_to=mean["accept_len_to"],
         )
 
     # ---------------------------------------------------------------- loop
@@ -253,6 +304,13 @@ class Trainer:
             history.append(metrics)
             if metrics.step % cfg.train.log_interval == 0 or metrics.step == cfg.train.steps:
                 self.log(self.format(metrics, time.perf_counter() - start))
+            if self.valid_dataset is not None and (
+                metrics.step == cfg.train.steps or (cfg.eval.interval and metrics.step % cfg.eval.interval == 0)
+            ):
+                t_eval = time.perf_counter()
+                result = self.evaluate_valid()
+                self.eval_history.append(result)
+                self.log(self.format_eval(result, time.perf_counter() - t_eval))
             if cfg.save.dir and cfg.save.interval and metrics.step % cfg.save.interval == 0:
                 self.log(f"saved {self.save()}")
         if cfg.save.dir and (not cfg.save.interval or self.step % cfg.save.interval):
@@ -267,8 +325,20 @@ class Trainer:
 
         return (
             f"step {m.step:>5}/{steps} | {self.cfg.loss.type} {m.loss:.4f} | alpha_RS [{per_step(m.alpha_rs)}] | "
-            f"top1 [{per_step(m.top1)}] | H(p) {m.entropy_target[0]:.2f} | grad_norm {m.grad_norm:.3f} | "
+            f"E[L] {m.accept_len_rs[-1]:.2f} | top1 [{per_step(m.top1)}] | H(p) {m.entropy_target[0]:.2f} | "
+            f"grad_norm {m.grad_norm:.3f} | "
             f"lr {m.lr:.2e} | {m.tokens_per_s:,.0f} tok/s | ETA {eta:.0f}s"
+        )
+
+    def format_eval(self, m: StepMetrics, seconds: float) -> str:
+        def per_step(values):
+            return " ".join(f"{v:.3f}" for v in values)
+
+        return (
+            f"eval  {m.step:>5} | {m.extra['rows']} rows | {self.cfg.loss.type} {m.loss:.4f} | "
+            f"alpha_RS [{per_step(m.alpha_rs)}] | alpha_TO [{per_step(m.alpha_to)}] | "
+            f"E[L] RS [{per_step(m.accept_len_rs)}] TO [{per_step(m.accept_len_to)}] | "
+            f"top1 [{per_step(m.top1)}] | H(p) {m.entropy_target[0]:.2f} | {seconds:.1f}s"
         )
 
     def summary(self) -> str:

@@ -1,0 +1,104 @@
+"""The trainer on real data: packed rows, the validation pass, and clean data errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from bebop_megatron.config import ConfigError, load_config
+from bebop_megatron.training.trainer import check_packing
+from tests.helpers.data import write_jsonl
+from tests.helpers.launch import REPO, run_script
+
+WORDS = "the cat sat on a mat and then it ran to the big red barn where a cow was eating hay".split()
+SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "train.seq_length=96"]
+
+
+def documents(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    words = lambda lo, hi: " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))  # noqa: E731
+    return [{"prompt": words(3, 8), "response": words(5, 20)} for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return write_jsonl(root / "train.jsonl", documents(60, 0)), write_jsonl(root / "valid.jsonl", documents(12, 1))
+
+
+def packed_case(train, nproc: int, extra=()) -> dict:
+    proc = run_script("packed_case.py", [f"data.train_files=[{train}]", *SMALL, *extra], nproc=nproc)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+@pytest.fixture(scope="module")
+def packed_tp1(corpus):
+    return packed_case(corpus[0], 1)
+
+
+def test_packed_rows_equal_documents_alone(packed_tp1):
+    r = packed_tp1
+    assert r["documents"] >= 4
+    packed, separate, unmasked = r["packed"], r["separate"], r["unmasked"]
+    # Chains stop at document ends: the same positions count in both.
+    assert packed["count"] == separate["count"]
+    assert rel(packed["loss_sum"], separate["loss_sum"]) < 1e-5
+    for key in ("alpha_rs", "accept_len_rs"):
+        for a, b in zip(packed[key], separate[key]):
+            assert rel(a, b) < 1e-5, key
+    # Without the per-document mask attention crosses documents and the loss changes by far more.
+    assert rel(unmasked["loss_sum"], separate["loss_sum"]) > 100 * max(rel(packed["loss_sum"], separate["loss_sum"]), 1e-7)
+
+
+def test_packed_rows_tp2_sequence_parallel_equal_tp1(corpus, packed_tp1):
+    r = packed_case(corpus[0], 2, ["parallel.tensor=2", "parallel.sequence_parallel=true"])
+    assert r["packed"]["count"] == packed_tp1["packed"]["count"]
+    assert rel(r["packed"]["loss_sum"], packed_tp1["packed"]["loss_sum"]) < 1e-5
+    assert rel(r["packed"]["loss_sum"], r["separate"]["loss_sum"]) < 1e-5
+
+
+def run_cli(args, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "examples/pretrain_mtp.py", "parallel.tensor=1", "save.dir=null", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_training_on_jsonl_with_periodic_evaluation(corpus):
+    train, valid = corpus
+    proc = run_cli([f"data.train_files=[{train}]", f"data.valid_files=[{valid}]", "eval.interval=2", "train.steps=4",
+                    "train.lr=3e-3", *SMALL])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    evals = [line for line in lines if line.startswith("eval ")]
+    assert [line.split()[1] for line in evals] == ["2", "4"], proc.stdout
+    losses = [float(line.split("|")[2].split()[1]) for line in evals]
+    assert losses[1] < losses[0], evals  # the held-out loss falls while training
+    assert all("alpha_TO [" in line and "E[L] RS [" in line for line in evals)
+
+
+def test_bad_line_stops_before_training_with_path_and_line(tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [*documents(2, 0), '{"prompt": "hi", "response": '])
+    proc = run_cli([f"data.train_files=[{bad}]", *SMALL])
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"{bad}:3:" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "step " not in proc.stdout
+
+
+def test_packed_data_with_transformer_engine_is_refused():
+    cfg = load_config(overrides=[])
+    cfg.data.train_files = ["x.jsonl"]
+    with pytest.raises(ConfigError, match="data.pack=false"):
+        check_packing(cfg, use_te=True)
+    check_packing(cfg, use_te=False)
+    cfg.data.pack = False
+    check_packing(cfg, use_te=True)
