@@ -22,6 +22,7 @@ setup(
         "transformers",
         "numpy",
         "tqdm",
+        "matplotlib",  # tools/eval_acceptance.py and tools/analyze_rl_acceptance.py plots
         "psutil",  # Megatron's dist-checkpointing writer workers need it
     ],
     extras_require={

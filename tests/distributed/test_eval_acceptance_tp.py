@@ -1,0 +1,51 @@
+"""``tools/eval_acceptance.py`` under torchrun on 2 gloo ranks equals the single-process report:
+TP=2 (vocabulary-parallel statistics, same simulated chains) and TP=1 x DP=2 (rows split
+over the ranks, sums reduced over the data-parallel group)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.launch import run_script
+from tests.test_eval_acceptance import TOOL, VALID, train_tiny_checkpoint
+
+ANALYTIC = ("alpha_rs", "alpha_to", "top1", "entropy_target", "entropy_draft", "kl", "count", "accept_len_rs",
+            "accept_len_to", "rs_win_fraction")
+COMMON = ["--data", str(VALID), "--temperatures", "0.7", "1.0", "--max-rows", "12", "--micro-batch-size", "2",
+          "--sim-positions", "32", "--sim-trials", "4", "--no-progress", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_tp")
+    ckpt = train_tiny_checkpoint(root / "run")
+    out = {}
+    for name, nproc, tp in (("single", 1, 1), ("tp2", 2, 2), ("dp2", 2, 1)):
+        run_script(str(TOOL), ["--checkpoint", str(ckpt), "--out-dir", str(root / name), "--tensor-parallel", str(tp),
+                               *COMMON], nproc=nproc)
+        out[name] = json.loads((root / name / "report.json").read_text())
+    return out
+
+
+def close(a, b, tol=1e-4):
+    return all(abs(x - y) <= tol * max(1.0, abs(y)) for x, y in zip(a, b)) and len(a) == len(b)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_two_ranks_equal_one(reports, layout):
+    got, want = reports[layout], reports["single"]
+    assert got["layout"]["tensor"] == (2 if layout == "tp2" else 1)
+    assert got["layout"]["data"] == (2 if layout == "dp2" else 1)
+    for tau, entry in want["per_temperature"].items():
+        other = got["per_temperature"][tau]
+        bad = [k for k in ANALYTIC if not close(other[k], entry[k])]
+        assert not bad, {k: (other[k], entry[k]) for k in bad}
+        fit, other_fit = entry["entropy_fit"]["rs"]["slope"], other["entropy_fit"]["rs"]["slope"]
+        assert (fit is None and other_fit is None) or abs(fit - other_fit) <= 1e-3 * max(1.0, abs(fit))
+        if layout == "tp2":  # same positions, same random stream: the same simulated chains
+            assert other["num_simulated_chains"] == entry["num_simulated_chains"]
+            assert close(other["empirical_accept_len_rs"], entry["empirical_accept_len_rs"], 1e-9)
+        else:  # each data-parallel rank simulates its own positions
+            assert other["num_simulated_chains"] == 2 * entry["num_simulated_chains"]

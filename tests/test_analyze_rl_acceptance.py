@@ -1,0 +1,124 @@
+"""``tools/analyze_rl_acceptance.py`` on synthetic RL series with a known entropy slope and
+a known injected mismatch (recovered within 5%), in wandb's CSV export format and as JSONL,
+and its one-line errors for a missing column, too few steps and NaNs."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "analyze_rl_acceptance.py"
+SLOPE, MISMATCH, STEPS = -0.12, -0.08, 400
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("analyze_rl_acceptance", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def synthetic(seed=0, mismatch=MISMATCH):
+    """Entropy wanders from the start (so b is identifiable) and rises late in the run;
+    the mismatch ramps in over the second half."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(STEPS)
+    entropy = 1.2 + 0.25 * np.sin(t / 6.0) + 0.6 * np.clip((t - 150) / 250, 0, 1)
+    injected = mismatch * np.clip((t - 200) / 150, 0, 1)
+    accept = 0.85 + SLOPE * entropy + injected + rng.normal(0, 0.002, STEPS)
+    return t, entropy, accept, injected
+
+
+def write_wandb_csv(path, t, entropy, accept):
+    run, other = "grpo-run-7", "other-run"
+    header = ["Step", f"{run} - rollout/entropy", f"{run} - rollout/entropy__MIN", f"{run} - rollout/entropy__MAX",
+              f"{run} - spec/alpha_1", f"{run} - spec/alpha_1__MIN", f"{run} - spec/alpha_1__MAX",
+              f"{other} - spec/alpha_2"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        for i in reversed(range(len(t))):  # unsorted on purpose
+            w.writerow([t[i], entropy[i], entropy[i] - 0.1, entropy[i] + 0.1, accept[i], accept[i], accept[i], ""])
+
+
+def test_recovers_slope_and_mismatch_from_wandb_csv(tmp_path):
+    t, entropy, accept, injected = synthetic()
+    path = tmp_path / "export.csv"
+    write_wandb_csv(path, t, entropy, accept)
+    out = tmp_path / "report"
+    report = load_tool().main(["--input", str(path), "--entropy-col", "rollout/entropy", "--accept-col",
+                               "spec/alpha_1", "--fit-fraction", "0.3", "--out-dir", str(out)])
+    s = report["series"]["spec/alpha_1"]
+    assert abs(s["slope"] - SLOPE) < 0.05 * abs(SLOPE), s
+    window = report["fit_steps"]
+    want_mismatch = injected[-window:].mean()
+    assert abs(s["mismatch_part"] - want_mismatch) < 0.05 * abs(want_mismatch), s
+    assert report["online_mtp_updates_indicated"] is True
+    assert (out / "rl_acceptance.png").stat().st_size > 5000
+    saved = json.loads((out / "rl_acceptance.json").read_text())
+    assert saved["series"]["spec/alpha_1"]["slope"] == s["slope"] and "verdict" in saved
+
+
+def test_entropy_only_drop_is_not_mismatch(tmp_path):
+    t, entropy, accept, _ = synthetic(seed=1, mismatch=0.0)
+    path = tmp_path / "steps.jsonl"
+    with open(path, "w") as f:
+        for i in range(STEPS):
+            f.write(json.dumps({"step": int(t[i]), "H": entropy[i], "a1": accept[i], "a2": accept[i] - 0.1}) + "\n")
+    report = load_tool().main(["--input", str(path), "--step-col", "step", "--entropy-col", "H", "--alpha-cols",
+                               "a1", "a2", "--out-dir", str(tmp_path / "r")])
+    assert set(report["series"]) == {"a1", "a2"}
+    s = report["series"]["a1"]
+    assert s["entropy_part"] < -0.05 and abs(s["mismatch_part"]) < 0.005, s
+    assert report["online_mtp_updates_indicated"] is False
+
+
+def run_cli(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(TOOL), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def one_line_error(proc) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_errors(tmp_path):
+    t, entropy, accept, _ = synthetic()
+    path = tmp_path / "export.csv"
+    write_wandb_csv(path, t, entropy, accept)
+    msg = one_line_error(run_cli("--input", str(path), "--entropy-col", "rollout/entropy", "--accept-col", "nope",
+                                 "--out-dir", str(tmp_path / "r")))
+    assert str(path) in msg and "'nope' is not a column" in msg and "spec/alpha_1" in msg
+
+    short = tmp_path / "short.csv"
+    write_wandb_csv(short, t[:6], entropy[:6], accept[:6])
+    msg = one_line_error(run_cli("--input", str(short), "--entropy-col", "rollout/entropy", "--accept-col",
+                                 "spec/alpha_1", "--out-dir", str(tmp_path / "r")))
+    assert "too few steps" in msg and str(short) in msg
+
+    accept_nan = accept.copy()
+    accept_nan[17] = np.nan
+    holes = tmp_path / "holes.csv"
+    write_wandb_csv(holes, t, entropy, accept_nan)
+    args = ["--input", str(holes), "--entropy-col", "rollout/entropy", "--accept-col", "spec/alpha_1",
+            "--out-dir", str(tmp_path / "r")]
+    msg = one_line_error(run_cli(*args))
+    assert "NaN" in msg and "--drop-missing" in msg
+    ok = run_cli(*args, "--drop-missing")
+    assert ok.returncode == 0 and "skipped 1 rows" in ok.stdout, ok.stderr
+
+    msg = one_line_error(run_cli("--input", str(tmp_path / "missing.csv"), "--entropy-col", "x", "--accept-col", "y"))
+    assert "missing.csv: file not found" in msg

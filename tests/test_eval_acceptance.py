@@ -1,0 +1,114 @@
+"""``tools/eval_acceptance.py`` on a tiny trained checkpoint (3 steps of the default model).
+
+- the report: every JSON key, per-temperature entries of the right lengths, simulated
+  E[L] close to the analytic one, five non-empty PNGs of the expected size;
+- the wiring: its statistics equal the training loss's (``mtp_loss``) on the same batches
+  (``tests/helpers/eval_acceptance_case.py``);
+- a missing checkpoint and a malformed dataset line: one ``error:`` line naming the path
+  (and line), exit status 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import REPO, run_script
+
+TOOL = REPO / "tools" / "eval_acceptance.py"
+VALID = REPO / "examples" / "data" / "tiny_valid.jsonl"
+TOP_KEYS = {"checkpoint", "data", "num_rows", "num_positions", "num_steps", "gamma", "layout", "temperatures",
+            "reference_temperature", "per_temperature", "plots"}
+ENTRY_KEYS = {"alpha_rs", "alpha_to", "top1", "entropy_target", "entropy_draft", "kl", "count", "accept_len_rs",
+              "accept_len_to", "empirical_accept_len_rs", "empirical_accept_len_to", "num_simulated_chains",
+              "entropy_fit", "entropy_bins", "rs_win_fraction"}
+PLOTS = {"alpha_per_step", "accept_len_vs_gamma", "acceptance_vs_entropy", "accept_len_vs_temperature",
+         "rs_vs_to_boundary"}
+
+
+def train_tiny_checkpoint(save_dir: Path) -> Path:
+    run_script(str(REPO / "examples" / "pretrain_mtp.py"),
+               ["parallel.tensor=1", "train.steps=3", f"save.dir={save_dir}"], nproc=1)
+    return save_dir
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return train_tiny_checkpoint(tmp_path_factory.mktemp("eval_ckpt") / "run")
+
+
+def run_tool(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", head[16:24])
+
+
+def test_report_writes_every_key_and_plot(checkpoint, tmp_path):
+    out = tmp_path / "report"
+    proc = run_tool("--checkpoint", checkpoint, "--data", VALID, "--temperatures", "0.8", "1.0", "--gamma", "2",
+                    "--max-rows", "12", "--sim-positions", "64", "--sim-trials", "8", "--out-dir", out, "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert TOP_KEYS <= set(report)
+    assert report["gamma"] == 2 and report["num_steps"] == 3 and report["num_rows"] == 12
+    assert set(report["per_temperature"]) == {"0.8", "1"}
+    for entry in report["per_temperature"].values():
+        assert ENTRY_KEYS <= set(entry)
+        assert len(entry["alpha_rs"]) == len(entry["alpha_to"]) == 3
+        assert len(entry["accept_len_rs"]) == len(entry["empirical_accept_len_rs"]) == 2
+        assert entry["num_simulated_chains"] == 64 * 8
+        assert all(0 <= a <= 1 for a in entry["alpha_rs"] + entry["alpha_to"])
+        for g in range(2):  # 512 chains: the simulated mean is within ~0.1 of the analytic one
+            assert abs(entry["empirical_accept_len_rs"][g] - entry["accept_len_rs"][g]) < 0.3
+        assert {"rs", "to"} <= set(entry["entropy_fit"])
+    assert set(report["plots"]) == PLOTS
+    for path in report["plots"].values():
+        width, height = png_size(Path(path))
+        assert width >= 500 and height >= 350 and Path(path).stat().st_size > 10_000, path
+
+
+def test_statistics_equal_the_training_loss(checkpoint, tmp_path):
+    out = tmp_path / "case.json"
+    run_script("eval_acceptance_case.py", ["--checkpoint", str(checkpoint), "--data", str(VALID), "--out", str(out)],
+               nproc=1)
+    result = json.loads(out.read_text())
+    assert result["count"][0] > 100
+    bad = {k: e for k, e in result["errors"].items() if not e < 1e-5}
+    assert not bad, bad
+
+
+def error_line(proc) -> str:
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def test_missing_checkpoint_is_one_line(tmp_path):
+    missing = tmp_path / "no_such_run"
+    line = error_line(run_tool("--checkpoint", missing, "--data", VALID, "--out-dir", tmp_path / "r"))
+    assert f"checkpoint not found: {missing}" in line
+
+
+def test_malformed_dataset_line_names_path_and_line(checkpoint, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    lines = VALID.read_text().splitlines()
+    bad.write_text("\n".join(lines[:2] + ['{"prompt": "x", "response": '] + lines[2:4]) + "\n")
+    line = error_line(run_tool("--checkpoint", checkpoint, "--data", bad, "--out-dir", tmp_path / "r"))
+    assert f"{bad}:3:" in line

@@ -1,0 +1,260 @@
+"""Split an RL run's acceptance drift into its entropy part and its draft/target mismatch part (Eq. 16).
+
+    python tools/analyze_rl_acceptance.py --input wandb_export.csv --entropy-col entropy \
+        --accept-col spec/accept_rate [--step-col Step] [--fit-fraction 0.2] [--out-dir rl_report]
+
+    python tools/analyze_rl_acceptance.py --input steps.jsonl --entropy-col entropy \
+        --alpha-cols alpha_1 alpha_2 alpha_3
+
+Fits alpha ~ a + b H on the first ``--fit-fraction`` of the steps (where the MTP heads still
+match the policy), then writes, for every later step, d_alpha_t = b (H_t - H_0) [entropy
+part] + residual [mismatch part], a plot and a verdict: the share of the final change that
+the mismatch explains, and whether online MTP updates are indicated (mismatch share >=
+``--mismatch-threshold`` and a mismatch drop larger than ``--min-drop``).
+
+Input: CSV (wandb's "Download CSV" works: a ``Step`` column, metric columns named
+``RUN - METRIC`` and ``RUN - METRIC__MIN``/``__MAX``, which are ignored) or JSONL (one
+object per step). A column flag matches a column name exactly or, in a wandb export, the
+single ``RUN - NAME`` column. With ``--alpha-cols`` (per MTP step acceptance) every column
+is split separately and the first one (step 1) decides the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.split("\n")[1:]))
+    parser.add_argument("--input", required=True, metavar="FILE", help="time series of RL steps: .csv or .jsonl")
+    parser.add_argument("--format", choices=("auto", "csv", "jsonl"), default="auto",
+                        help="input format (default: from the file extension, .jsonl/.json -> jsonl)")
+    parser.add_argument("--step-col", default="Step", help="step column (default: Step, as in wandb exports)")
+    parser.add_argument("--entropy-col", required=True, help="policy (target) entropy column")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--accept-col", help="one acceptance column (acceptance rate or accepted length)")
+    what.add_argument("--alpha-cols", nargs="+", metavar="COL", help="per MTP step acceptance columns, step 1 first")
+    parser.add_argument("--fit-fraction", type=float, default=0.2,
+                        help="fraction of the steps (from the start) the entropy slope b is fitted on (default 0.2)")
+    parser.add_argument("--mismatch-threshold", type=float, default=0.5,
+                        help="mismatch share of the change from which online MTP updates are indicated (default 0.5)")
+    parser.add_argument("--min-drop", type=float, default=0.01,
+                        help="smallest mismatch drop (in the acceptance's units) worth acting on (default 0.01)")
+    parser.add_argument("--drop-missing", action="store_true",
+                        help="skip steps with an empty or NaN value in a used column (default: stop with an error)")
+    parser.add_argument("--out-dir", default="rl_acceptance", help="writes rl_acceptance.json and .png here")
+    args = parser.parse_args(argv)
+    if not 0 < args.fit_fraction < 1:
+        parser.error(f"--fit-fraction must be in (0, 1), got {args.fit_fraction}")
+    return args
+
+
+# ------------------------------------------------------------------------- input
+
+
+def read_table(path: str, fmt: str) -> tuple[list[str], list[dict]]:
+    """(column names, rows as dicts of strings/numbers); ValueError naming the file (and line)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path}: file not found")
+    if fmt == "auto":
+        fmt = "jsonl" if path.endswith((".jsonl", ".json")) else "csv"
+    with open(path, newline="", encoding="utf-8") as f:
+        if fmt == "csv":
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            columns = list(reader.fieldnames or [])
+        else:
+            rows, columns = [], []
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{number}: expected a JSON object per line")
+                rows.append(row)
+                columns += [c for c in row if c not in columns]
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return columns, rows
+
+
+def resolve_column(name: str, columns: list[str], path: str, flag: str) -> str:
+    """``name`` itself, or the one wandb column ``RUN - name`` (``__MIN``/``__MAX`` ignored)."""
+    if name in columns:
+        return name
+    matches = [c for c in columns if c.endswith(f" - {name}")]
+    if len(matches) == 1:
+        return matches[0]
+    plain = [c for c in columns if not c.endswith(("__MIN", "__MAX"))]
+    if matches:
+        raise ValueError(f"{path}: {flag} {name!r} matches several columns {matches}; pass the full column name")
+    raise ValueError(f"{path}: {flag} {name!r} is not a column; columns: {plain}")
+
+
+def to_float(value) -> float:
+    if value is None or (isinstance(value, str) and value.strip() in ("", "nan", "NaN", "null", "None")):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def load_series(args) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], list[str]]:
+    """(steps, entropy, {name: acceptance}, notes) sorted by step, missing values handled."""
+    columns, rows = read_table(args.input, args.format)
+    step_col = resolve_column(args.step_col, columns, args.input, "--step-col")
+    entropy_col = resolve_column(args.entropy_col, columns, args.input, "--entropy-col")
+    names = [args.accept_col] if args.accept_col else args.alpha_cols
+    accept_cols = {n: resolve_column(n, columns, args.input, "--accept-col" if args.accept_col else "--alpha-cols")
+                   for n in names}
+    used = {"step": step_col, "entropy": entropy_col, **accept_cols}
+    table = {key: np.array([to_float(r.get(col)) for r in rows]) for key, col in used.items()}
+    bad = ~np.isfinite(np.stack(list(table.values()))).all(0)
+    notes = []
+    if bad.any():
+        which = [used[k] for k, v in table.items() if not np.isfinite(v).all()]
+        first = int(np.flatnonzero(bad)[0])
+        if not args.drop_missing:
+            raise ValueError(
+                f"{args.input}: {int(bad.sum())} of {len(bad)} rows have an empty or NaN value in {which} "
+                f"(first at data row {first + 1}); pass --drop-missing to skip them"
+            )
+        notes.append(f"skipped {int(bad.sum())} rows with missing values in {which}")
+        table = {k: v[~bad] for k, v in table.items()}
+    order = np.argsort(table["step"], kind="stable")
+    table = {k: v[order] for k, v in table.items()}
+    if len(np.unique(table["step"])) != len(table["step"]):
+        raise ValueError(f"{args.input}: column {step_col!r} repeats steps; export one run per file")
+    return table["step"], table["entropy"], {n: table[n] for n in names}, notes
+
+
+# ------------------------------------------------------------------------- report
+
+
+def analyze(steps, entropy, series: dict[str, np.ndarray], args) -> dict:
+    from bebop_megatron.metrics.entropy import entropy_mismatch_split
+
+    results = {}
+    for name, accept in series.items():
+        try:
+            split = entropy_mismatch_split(entropy, accept, args.fit_fraction)
+        except ValueError as err:
+            raise ValueError(f"{args.input}: {err}") from None
+        if split.num_fit >= len(steps):
+            raise ValueError(f"{args.input}: too few steps ({len(steps)}) after the fit window of {split.num_fit}")
+        results[name] = split
+    primary = next(iter(results))
+    s = results[primary]
+    indicated = bool(s.mismatch_share >= args.mismatch_threshold and s.final_mismatch_part <= -args.min_drop)
+    return {
+        "input": args.input,
+        "num_steps": int(len(steps)),
+        "fit_steps": int(s.num_fit),
+        "primary": primary,
+        "entropy_start": float(entropy[: s.num_fit].mean()),
+        "entropy_end": float(entropy[-s.num_fit:].mean()),
+        "series": {
+            name: {
+                "slope": r.slope, "intercept": r.intercept, "change": r.final_delta,
+                "entropy_part": r.final_entropy_part, "mismatch_part": r.final_mismatch_part,
+                "mismatch_share": r.mismatch_share,
+            }
+            for name, r in results.items()
+        },
+        "mismatch_share": s.mismatch_share,
+        "online_mtp_updates_indicated": indicated,
+        "_splits": results,
+    }
+
+
+def verdict(report: dict, args) -> str:
+    s = report["series"][report["primary"]]
+    lines = [
+        f"{report['primary']}: entropy slope b = {s['slope']:+.4f} per nat (fitted on the first "
+        f"{report['fit_steps']} of {report['num_steps']} steps)",
+        f"change over the run: {s['change']:+.4f} = entropy part {s['entropy_part']:+.4f} "
+        f"+ mismatch part {s['mismatch_part']:+.4f} (Eq. 16)",
+        f"mismatch share of the change: {100 * s['mismatch_share']:.0f}%",
+    ]
+    if report["online_mtp_updates_indicated"]:
+        lines.append("verdict: draft/target mismatch drives the drop; online MTP updates are indicated")
+    elif s["mismatch_part"] <= -args.min_drop:
+        lines.append("verdict: some mismatch drop, but entropy explains at least as much of the change; online MTP updates "
+                     "are not clearly worth their cost")
+    else:
+        lines.append("verdict: no material mismatch drop; online MTP updates are not indicated")
+    return "\n".join(lines)
+
+
+def plot(steps, entropy, series, report, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name = report["primary"]
+    split = report["_splits"][name]
+    accept = series[name]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    top.plot(steps, accept, lw=1, label=f"{name} (measured)")
+    top.plot(steps, accept[: split.num_fit].mean() + split.entropy_part, lw=1.5,
+             label=f"entropy only: b (H_t - H_0), b = {split.slope:+.3f}")
+    top.axvspan(steps[0], steps[split.num_fit - 1], color="0.9", label="fit window")
+    top.set_ylabel("acceptance")
+    ax_h = top.twinx()
+    ax_h.plot(steps, entropy, color="0.5", lw=0.8, ls=":", label="entropy H")
+    ax_h.set_ylabel("entropy (nats)")
+    top.legend(loc="lower left", fontsize=8)
+    bottom.plot(steps, split.delta, lw=1, label="change from step 0")
+    bottom.plot(steps, split.entropy_part, lw=1, label="entropy part")
+    bottom.plot(steps, split.mismatch_part, lw=1, label="mismatch part")
+    bottom.axhline(0.0, color="0.6", lw=0.5)
+    bottom.set_xlabel("RL step")
+    bottom.set_ylabel("d acceptance")
+    bottom.set_title(f"mismatch share {100 * report['mismatch_share']:.0f}%", fontsize=9)
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    steps, entropy, series, notes = load_series(args)
+    report = analyze(steps, entropy, series, args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    png = os.path.join(args.out_dir, "rl_acceptance.png")
+    plot(steps, entropy, series, report, png)
+    report["plot"] = png
+    report["notes"] = notes
+    report["verdict"] = verdict(report, args)
+    splits = report.pop("_splits")
+    with open(os.path.join(args.out_dir, "rl_acceptance.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    for note in notes:
+        print(f"note: {note}")
+    print(report["verdict"])
+    print(f"wrote {png} and {os.path.join(args.out_dir, 'rl_acceptance.json')}")
+    report["_splits"] = splits
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,304 @@
+"""Acceptance report of trained MTP heads on held-out data: JSON and PNG plots.
+
+    python tools/eval_acceptance.py --checkpoint checkpoints/tiny_jsonl --data held_out.jsonl \
+        --temperatures 0.6 0.8 1.0 1.2 --gamma 3 --out-dir acceptance_report
+
+    torchrun --nproc_per_node 2 tools/eval_acceptance.py --checkpoint CKPT --data FILE --tensor-parallel 2
+
+For each temperature T (both the draft and the target logits divided by T) it reports,
+per MTP step, alpha_RS = sum min(p, q), alpha_TO = p(argmax q), top-1 agreement with the
+data token, H(p), H(q), KL(p||q); the expected accepted length E[L](g), g = 1..gamma, per
+position then averaged (Eq. 12), analytic and from simulated chains
+(:mod:`bebop_megatron.speculative`) on a sample of positions; acceptance against target
+entropy (binned, with fitted lines: Fig. 1a / Fig. 8), against temperature (Fig. 12a) and
+the RS-vs-target-only boundary d_TV < 1 - p(argmax q) (Fig. 13).
+
+``--checkpoint`` is a training run's ``save.dir`` (its ``latest`` checkpoint is used) or
+one ``iter_N`` directory; the run's config is read from it, and the backbone comes from its
+``model.backbone_checkpoint`` / ``model.init_checkpoint`` (or, for a random backbone, the
+same seeded initialisation). The model is loaded at TP=``--tensor-parallel``, PP=1 (dist
+checkpointing reshards any saved layout); the other ranks of the world are data-parallel
+and share the rows. Positions follow the training loss: step k at t is valid when t+k is a
+trained token of t's document, and a chain stops at its first invalid step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import warnings
+
+DEFAULT_TEMPERATURES = (1.0,)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.split("\n")[1:]))
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="training save.dir (uses its latest checkpoint) or one iter_N checkpoint directory")
+    parser.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                        help="held-out data: JSONL files (or indexed datasets), as data.valid_files")
+    parser.add_argument("--temperatures", nargs="+", type=float, default=list(DEFAULT_TEMPERATURES),
+                        help="sampling temperatures; both logits are divided by T (default: 1.0)")
+    parser.add_argument("--gamma", type=int, default=None,
+                        help="drafted tokens per chain, <= the checkpoint's mtp.num_steps (default: mtp.num_steps)")
+    parser.add_argument("--out-dir", default="acceptance_report", help="writes report.json and the PNGs here")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="TP size to load the model at (default 1)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward (default 4)")
+    parser.add_argument("--max-rows", type=int, default=0, help="evaluate the first N packed rows (0: all)")
+    parser.add_argument("--chunk-positions", type=int, default=128,
+                        help="positions whose logits are alive at once (bounds memory; default 128)")
+    parser.add_argument("--sim-positions", type=int, default=256,
+                        help="positions (per data-parallel rank) with simulated chains (default 256; 0: none)")
+    parser.add_argument("--sim-trials", type=int, default=16, help="simulated chains per position (default 16)")
+    parser.add_argument("--entropy-bin-width", type=float, default=0.5, help="nats per entropy bin (default 0.5)")
+    parser.add_argument("--scatter-points", type=int, default=2000,
+                        help="(step, position) points in the RS-vs-TO scatter plot (default 2000)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the simulated chains")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if any(not t > 0 for t in args.temperatures):
+        parser.error(f"--temperatures must all be > 0, got {args.temperatures}")
+    for name in ("tensor_parallel", "micro_batch_size", "chunk_positions", "sim_trials"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.entropy_bin_width > 0:
+        parser.error("--entropy-bin-width must be > 0")
+    return args
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A save.dir (its ``latest``) or one checkpoint directory; plain ``os`` checks, so a wrong
+    path fails before the (slow) Megatron imports."""
+    marker = os.path.join(path, "latest")  # training.checkpoint.LATEST
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            found = os.path.join(path, f.read().strip())
+        if not os.path.isfile(os.path.join(found, "metadata.json")):
+            raise ValueError(f"checkpoint not found: {marker} names {found}, which is not a complete checkpoint")
+        return found
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    raise ValueError(f"checkpoint not found: {path} (expected a save.dir with 'latest' or an iter_N directory)")
+
+
+def eval_config(ckpt_path: str, args, world: int, device: str):
+    """The training run's config, re-targeted at this evaluation's layout and data."""
+    from omegaconf import OmegaConf
+
+    from bebop_megatron.config import load_config
+    from bebop_megatron.training.checkpoint import read_common_state
+
+    try:
+        with warnings.catch_warnings():  # dist checkpointing's note on a 1-rank world, not about this run
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            common = read_common_state(ckpt_path)
+    except Exception as err:  # a directory that is not a dist checkpoint
+        raise ValueError(f"{ckpt_path}: cannot read the checkpoint ({type(err).__name__}: {err})") from None
+    if "config_yaml" not in common:
+        raise ValueError(f"{ckpt_path}: the checkpoint holds no config_yaml (not written by the trainer?)")
+    saved = OmegaConf.to_container(OmegaConf.create(common["config_yaml"]))
+    if world % args.tensor_parallel:
+        raise ValueError(f"--tensor-parallel {args.tensor_parallel} does not divide the world size {world}; launch "
+                         f"with torchrun --nproc_per_node {args.tensor_parallel} (or a multiple of it)")
+    dp = world // args.tensor_parallel
+    overrides = [
+        f"device={device}", f"parallel.tensor={args.tensor_parallel}", "parallel.pipeline=1",
+        "parallel.pipeline_layout=null", "parallel.context=1", "parallel.sequence_parallel=false",
+        "parallel.expert=1", "parallel.expert_tensor=null",
+        f"train.micro_batch_size={args.micro_batch_size}", f"train.global_batch_size={args.micro_batch_size * dp}",
+        "data.valid_files=[" + ",".join(json.dumps(p) for p in args.data) + "]",
+    ]
+    if saved.get("precision") == "fp8":
+        overrides.append("precision=bf16")  # the weights are bf16; acceptance needs no FP8 GEMMs
+    return load_config(None, overrides, defaults=saved)
+
+
+def load_model(cfg, ckpt_path: str, device: str):
+    """Build the model as the trainer does, then load the backbone and the trained MTP layers."""
+    from megatron.core import dist_checkpointing
+
+    from bebop_megatron.model import build_model, is_mtp_param
+    from bebop_megatron.training import checkpoint as ckpt
+
+    model = build_model(cfg, device)
+    if cfg.model.backbone_checkpoint:
+        ckpt.load_model_weights(cfg.model.backbone_checkpoint, model, backbone_only=True)
+    elif cfg.model.init_checkpoint:
+        ckpt.load_model_weights(cfg.model.init_checkpoint, model, backbone_only=False)
+    # A training checkpoint holds the MTP weights (and optimizer), not the frozen backbone.
+    mtp_sd = ckpt._filtered_sharded_state_dict(model, is_mtp_param)
+    loaded = dist_checkpointing.load({"model": mtp_sd}, ckpt_path)["model"]
+    ckpt._load_into(model, loaded, is_mtp_param)
+    model.eval()
+    return model
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budget, generator, device):
+    """Add one micro-batch to ``report``; returns the number of positions simulated."""
+    import torch
+
+    from bebop_megatron.data import attention_mask
+    from bebop_megatron.metrics import acceptance_rows
+    from bebop_megatron.training.loss import _output_weight, chain_valid
+
+    mask = attention_mask(batch.segment_ids)
+    batch = batch.to(device)
+    with torch.no_grad():
+        hidden = model(batch.tokens, batch.position_ids, None if mask is None else mask.to(device))
+    S, B = batch.tokens.shape[1], batch.tokens.shape[0]
+    chunks = torch.chunk(hidden, 1 + K, dim=0)  # [S, B, H] each: backbone, then MTP steps 1..K
+    weight_VH = _output_weight(model).float()
+    H = hidden.shape[-1]
+    chain_KN = chain_valid(batch.loss_mask, K, batch.segment_ids).transpose(1, 2).reshape(K, S * B)
+    draft_KNH = torch.stack([c.reshape(S * B, H) for c in chunks[1:]]).float()
+    # Step k at s is verified against the backbone at s+k; labels[s+k] is its data token.
+    target_KNH = hidden.new_zeros((K, S, B, H), dtype=torch.float32)
+    labels_KN = torch.zeros((K, S, B), dtype=torch.long, device=hidden.device)
+    labels_SB = batch.labels.t()
+    for k in range(1, K + 1):
+        target_KNH[k - 1, : S - k] = chunks[0][k:].float()
+        labels_KN[k - 1, : S - k] = labels_SB[k:]
+    target_KNH, labels_KN = target_KNH.reshape(K, S * B, H), labels_KN.reshape(K, S * B)
+
+    positions = chain_KN[0].nonzero(as_tuple=True)[0]
+    for start in range(0, len(positions), args.chunk_positions):
+        idx = positions[start : start + args.chunk_positions]
+        draft_logits, target_logits = draft_KNH[:, idx] @ weight_VH.t(), target_KNH[:, idx] @ weight_VH.t()
+        for ti, tau in enumerate(report.temperatures):
+            rows = acceptance_rows(draft_logits, target_logits, tp_group=tp_group, target_temperature=tau,
+                                   draft_temperature=tau)
+            report.add_rows(ti, rows, chain_KN[:, idx], labels_KN[:, idx])
+
+    G = report.G
+    sim_idx = chain_KN[G - 1].nonzero(as_tuple=True)[0][:sim_budget]
+    if len(sim_idx):
+        draft_logits = _gather_vocab(draft_KNH[:G, sim_idx] @ weight_VH.t(), tp_group)  # [G, n, V]
+        target_logits = _gather_vocab(target_KNH[:G, sim_idx] @ weight_VH.t(), tp_group)
+        for ti, tau in enumerate(report.temperatures):
+            q = torch.softmax(draft_logits.double() / tau, -1).transpose(0, 1).contiguous()
+            p = torch.softmax(target_logits.double() / tau, -1).transpose(0, 1).contiguous()
+            report.simulate(ti, p, q, args.sim_trials, generator)
+    return len(sim_idx)
+
+
+def _gather_vocab(logits_KnV, tp_group):
+    import torch
+    import torch.distributed as dist
+
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return logits_KnV
+    parts = [torch.empty_like(logits_KnV) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, logits_KnV.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def evaluate(args) -> dict | None:
+    import torch
+    from megatron.core import parallel_state
+    from tqdm import tqdm
+
+    from bebop_megatron.data import build_valid_dataset, eval_batches
+    from bebop_megatron.metrics.plots import write_all
+    from bebop_megatron.metrics.report import AcceptanceReport
+    from bebop_megatron.model import padded_vocab_size
+    from bebop_megatron.platform import init_distributed, resolve_device
+    from bebop_megatron.training.parallel import setup_parallel
+
+    ckpt_path = resolve_checkpoint(args.checkpoint)
+    device = resolve_device(args.device)
+    rank, world = init_distributed(device)  # before reading the checkpoint: dist checkpointing expects it
+    cfg = eval_config(ckpt_path, args, world, device)
+    K = cfg.mtp.num_steps
+    gamma = args.gamma if args.gamma is not None else K
+    if not 1 <= gamma <= K:
+        raise ValueError(f"--gamma must be in 1..{K} (the checkpoint's mtp.num_steps), got {gamma}")
+    setup_parallel(cfg, world)
+    dataset = build_valid_dataset(cfg, progress=not args.no_progress and rank == 0)
+    if dataset is None or len(dataset) == 0:
+        raise ValueError(f"no held-out rows in {args.data}")
+    model = load_model(cfg, ckpt_path, device)
+    comm = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    dp_group = parallel_state.get_data_parallel_group()
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    num_rows = len(dataset) if args.max_rows <= 0 else min(args.max_rows, len(dataset))
+    max_entropy = math.log(padded_vocab_size(cfg))
+    num_bins = max(1, math.ceil(max_entropy / args.entropy_bin_width))
+    edges = [min(i * args.entropy_bin_width, max_entropy) for i in range(num_bins + 1)]
+    report = AcceptanceReport(args.temperatures, K, gamma, edges, num_scatter=args.scatter_points if rank == 0 else 0)
+    generator = torch.Generator(device=comm).manual_seed(args.seed + 1000 * dp_rank)
+    sim_left = args.sim_positions
+    batches = eval_batches(dataset, num_rows=num_rows, global_batch_size=args.micro_batch_size * dp_size,
+                           micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    total = math.ceil(num_rows / (args.micro_batch_size * dp_size))
+    for micro in tqdm(batches, total=total, desc="eval", unit="batch", disable=args.no_progress or rank != 0):
+        for batch in micro:
+            sim_left -= micro_batch_statistics(model, batch, report, args, K=K, tp_group=tp_group, sim_budget=sim_left,
+                                               generator=generator, device=comm)
+    report.reduce(dp_group)
+    if rank != 0:
+        return None
+    per_t = report.summary()
+    ref = min(args.temperatures, key=lambda t: abs(t - 1.0))
+    plots = write_all(per_t, report.scatter[args.temperatures.index(ref)], f"{ref:g}", args.out_dir)
+    result = {
+        "checkpoint": ckpt_path,
+        "data": list(args.data),
+        "num_rows": num_rows,
+        "num_positions": per_t[f"{ref:g}"]["count"][0],
+        "num_steps": K,
+        "gamma": gamma,
+        "layout": {"tensor": cfg.parallel.tensor, "data": dp_size, "device": device},
+        "temperatures": [float(t) for t in args.temperatures],
+        "reference_temperature": ref,
+        "per_temperature": per_t,
+        "plots": plots,
+    }
+    with open(os.path.join(args.out_dir, "report.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return result
+
+
+def print_summary(result: dict) -> None:
+    for tau, e in result["per_temperature"].items():
+        rs = " ".join(f"{a:.3f}" for a in e["alpha_rs"])
+        to = " ".join(f"{a:.3f}" for a in e["alpha_to"])
+        sim = e["empirical_accept_len_rs"][-1]
+        print(f"T={tau}: alpha_RS [{rs}] alpha_TO [{to}] | E[L]({result['gamma']}) RS {e['accept_len_rs'][-1]:.3f} "
+              f"(simulated {'n/a' if sim is None else f'{sim:.3f}'}) TO {e['accept_len_to'][-1]:.3f} | "
+              f"entropy slope RS {_fmt(e['entropy_fit']['rs']['slope'])} TO {_fmt(e['entropy_fit']['to']['slope'])}")
+    print(f"wrote {os.path.join(os.path.dirname(result['plots']['alpha_per_step']), 'report.json')} and "
+          f"{len(result['plots'])} plots")
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:+.3f}"
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    resolve_checkpoint(args.checkpoint)  # a wrong path fails in a second, before the library import
+    result = evaluate(args)
+    if result is not None:
+        print_summary(result)
+    return result
+
+
+if __name__ == "__main__":
+    parse_args(sys.argv[1:])  # --help and usage errors before the library (and torch) import
+    from bebop_megatron.cli import run_cli
+
+    run_cli(lambda: main(sys.argv[1:]))
