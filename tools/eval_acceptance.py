@@ -151,7 +151,7 @@ def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budge
 
     from bebop_megatron.data import attention_mask
     from bebop_megatron.metrics import acceptance_rows
-    from bebop_megatron.training.loss import _output_weight, chain_valid
+    from bebop_megatron.training.loss import chain_valid, output_weight_of
 
     mask = attention_mask(batch.segment_ids)
     batch = batch.to(device)
@@ -159,7 +159,7 @@ def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budge
         hidden = model(batch.tokens, batch.position_ids, None if mask is None else mask.to(device))
     S, B = batch.tokens.shape[1], batch.tokens.shape[0]
     chunks = torch.chunk(hidden, 1 + K, dim=0)  # [S, B, H] each: backbone, then MTP steps 1..K
-    weight_VH = _output_weight(model).float()
+    weight_VH = output_weight_of(model).float()
     H = hidden.shape[-1]
     chain_KN = chain_valid(batch.loss_mask, K, batch.segment_ids).transpose(1, 2).reshape(K, S * B)
     draft_KNH = torch.stack([c.reshape(S * B, H) for c in chunks[1:]]).float()

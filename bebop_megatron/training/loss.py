@@ -69,7 +69,8 @@ def _full_sequence(hidden_SBH: torch.Tensor, model, tp_group) -> torch.Tensor:
     return tensor_parallel.copy_to_tensor_model_parallel_region(hidden_SBH, group=tp_group)
 
 
-def _output_weight(model) -> torch.Tensor:
+def output_weight_of(model) -> torch.Tensor:
+    """The (frozen) output projection ``[V_local, H]``: the embedding when tied."""
     weight = model.output_weight()
     return weight if weight is not None else model.output_layer.weight
 
@@ -85,7 +86,7 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     """
     K = num_steps
     chunks = torch.chunk(hidden, 1 + K, dim=0)
-    weight_VH = _output_weight(model)
+    weight_VH = output_weight_of(model)
     labels_SB = batch.labels.t().contiguous()
     valid_KSB = chain_valid(batch.loss_mask, K, batch.segment_ids).transpose(1, 2)
     data_targets_KSB = _shift_targets(labels_SB, K)  # step k at t predicts labels[t+k]
