@@ -22,7 +22,11 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from bebop_megatron.model.norms import SPAwareNorm, qk_norm
@@ -74,12 +78,24 @@ def layer_spec(num_experts: int | None, qk_layernorm: bool, use_te: bool) -> Mod
     return local_layer_spec(num_experts, qk_layernorm)
 
 
-def decoder_block_spec(config, decoder_layer_spec: ModuleSpec, use_te: bool):
-    """The decoder block of this pipeline rank; the local backend's final norm is SP-aware."""
-    if use_te:
+def decoder_block_spec(config, decoder_layer_spec: ModuleSpec, use_te: bool,
+                       dense_layer_spec: ModuleSpec | None = None, num_dense_layers: int = 0):
+    """The decoder block of this pipeline rank; the local backend's final norm is SP-aware.
+
+    With ``num_dense_layers`` (MoE models whose first layers are dense, GLM-4.5/DeepSeek-V3)
+    the first layers of the whole model use ``dense_layer_spec``.
+    """
+    if use_te and not num_dense_layers:
         return decoder_layer_spec  # Megatron picks TE's norm for the final layernorm
     num_layers = get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(layer_specs=[decoder_layer_spec] * num_layers, layer_norm=SPAwareNorm)
+    offset = get_transformer_layer_offset(config)
+    layer_specs = [dense_layer_spec if offset + i < num_dense_layers else decoder_layer_spec
+                   for i in range(num_layers)]
+    if use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=TENorm)
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SPAwareNorm)
 
 
 def mtp_block_spec(config, decoder_layer_spec: ModuleSpec, use_te: bool):

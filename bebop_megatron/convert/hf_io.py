@@ -1,0 +1,112 @@
+"""Read and write Hugging Face safetensors directories (sharded, with an index)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from bebop_megatron.convert.errors import ConvertError
+
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+
+class HFWeights:
+    """Lazy access to the tensors of an HF directory; remembers which names were read."""
+
+    def __init__(self, hf_dir: str):
+        self.dir = hf_dir
+        index = os.path.join(hf_dir, INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.file_of = dict(json.load(f)["weight_map"])
+            for name in sorted(set(self.file_of.values())):
+                if not os.path.isfile(os.path.join(hf_dir, name)):
+                    raise ConvertError(f"missing weight file {os.path.join(hf_dir, name)} (listed in {INDEX})")
+        else:
+            files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+            if not files:
+                raise ConvertError(f"no *.safetensors weights in {hf_dir} (convert .bin checkpoints with transformers first)")
+            self.file_of = {}
+            for name in files:
+                with safe_open(os.path.join(hf_dir, name), "pt") as f:
+                    self.file_of.update({k: name for k in f.keys()})
+        self.used: set[str] = set()
+        self._open: dict[str, object] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.file_of:
+            raise ConvertError(f"tensor {name} is missing from {self.dir} (config.json promises it)")
+        file = self.file_of[name]
+        if file not in self._open:
+            self._open[file] = safe_open(os.path.join(self.dir, file), "pt")
+        self.used.add(name)
+        return self._open[file].get_tensor(name)
+
+    def unused(self) -> list[str]:
+        return sorted(k for k in self.file_of if k not in self.used and "rotary_emb.inv_freq" not in k)
+
+
+def write_sharded(tensors: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int = 4 << 30,
+                  progress=None) -> list[str]:
+    """``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` (always)."""
+    os.makedirs(out_dir, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in tensors:
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    weight_map, files = {}, []
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: v.detach().contiguous().clone() for k, v in shard.items()},
+                  os.path.join(out_dir, fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+        files.append(fname)
+        if progress is not None:
+            progress.update(len(shard))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(out_dir, INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    return files
+
+
+def read_all(out_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF directory (used by verification and tests)."""
+    w = HFWeights(out_dir)
+    return {k: w.get(k) for k in w.keys()}
+
+
+def copy_tokenizer(src: str, dst: str) -> list[str]:
+    os.makedirs(dst, exist_ok=True)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+            copied.append(name)
+    return copied
+
+
+def write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")

@@ -1,0 +1,126 @@
+"""Hugging Face directory -> Megatron distributed checkpoint (``tools/convert_from_hf.py``).
+
+Written next to the checkpoint: ``hf/`` (the source ``config.json`` and tokenizer files;
+``data.tokenizer`` can point at it, ``tools/convert_to_hf.py`` reads it) and
+``bebop_model.yaml`` (the ``model:`` and ``mtp:`` sections a training config needs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from omegaconf import OmegaConf
+
+from bebop_megatron.convert import formats, megatron_io
+from bebop_megatron.convert.errors import ConvertError
+from bebop_megatron.convert.hf_config import HFModel, describe, model_overrides, padded_vocab, read_config
+from bebop_megatron.convert.hf_io import HFWeights, copy_tokenizer, write_json
+from bebop_megatron.convert.layers import layer_to_megatron
+
+MTP_INITS = ("random", "copy_last_layer")
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+def hf_to_megatron(w: HFWeights, hf: HFModel, vocab_rows: int, progress: bool = False) -> dict[str, torch.Tensor]:
+    """Every backbone tensor (and the MTP layers a MiMo/GLM checkpoint holds), Megatron names, TP=1."""
+    from tqdm import tqdm
+
+    out = {"embedding.word_embeddings.weight": _pad_rows(w.get("model.embed_tokens.weight"), vocab_rows),
+           "decoder.final_layernorm.weight": w.get("model.norm.weight")}
+    if hf.tie_embeddings:
+        if "lm_head.weight" in w:
+            w.get("lm_head.weight")  # a tied checkpoint may still store the copy
+    else:
+        out["output_layer.weight"] = _pad_rows(w.get("lm_head.weight"), vocab_rows)
+    for i in tqdm(range(hf.num_layers), desc="layers", unit="layer", disable=not progress):
+        out.update(_layer(w, f"model.layers.{i}.", f"decoder.layers.{i}.", hf, i))
+    fmt = formats.IMPORT_FORMAT.get(hf.family)
+    if hf.num_mtp_layers and fmt is not None:
+        for i in range(hf.num_mtp_layers):
+            try:
+                out.update(fmt.to_megatron(w.get, i, hf.layer_at(hf.num_layers + i), hf.num_layers))
+            except RuntimeError as err:
+                raise ConvertError(f"MTP layer {i}: tensor shapes do not match config.json ({_first(err)})") from None
+    return out
+
+
+def _layer(w: HFWeights, hf_prefix: str, meg_prefix: str, hf: HFModel, i: int) -> dict:
+    try:
+        return layer_to_megatron(w.get, hf_prefix, meg_prefix, hf.layer_at(i))
+    except RuntimeError as err:  # a reshape of a tensor with the wrong size
+        raise ConvertError(f"{hf_prefix}*: tensor shapes do not match config.json ({_first(err)})") from None
+
+
+def _first(err: Exception) -> str:
+    return str(err).strip().splitlines()[0]
+
+
+def copy_last_layer(tensors: dict, num_layers: int, num_mtp: int) -> dict:
+    """Warm start: each MTP decoder layer (and its final norm) from the last backbone layer."""
+    src = f"decoder.layers.{num_layers - 1}."
+    out = {}
+    for i in range(num_mtp):
+        dst = f"{formats.meg_mtp(i)}mtp_model_layer."
+        out.update({dst + k[len(src):]: v.clone() for k, v in tensors.items() if k.startswith(src)})
+        out[f"{formats.meg_mtp(i)}final_layernorm.weight"] = tensors["decoder.final_layernorm.weight"].clone()
+    return out
+
+
+def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = None, mtp_init: str = "random",
+                    make_vocab_size_divisible_by: int = 128, max_tensor_parallel: int = 8,
+                    progress: bool = True, log=print) -> dict:
+    """Write ``out_dir`` (a distributed checkpoint); returns the model/mtp config sections."""
+    from tqdm import tqdm
+
+    if mtp_init not in MTP_INITS:
+        raise ConvertError(f"--mtp-init {mtp_init!r} must be one of {', '.join(MTP_INITS)}")
+    hf = describe(read_config(hf_dir))
+    w = HFWeights(hf_dir)
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "metadata.json")):
+        raise ConvertError(f"--out {out_dir} exists and is not a Megatron checkpoint; refusing to overwrite it")
+    num_mtp = hf.num_mtp_layers or 1
+    steps = mtp_num_steps or num_mtp
+    if num_mtp > 1 and steps != num_mtp:
+        raise ConvertError(f"the checkpoint has {num_mtp} MTP layers: --mtp-num-steps must be {num_mtp}")
+    rows = padded_vocab(hf.vocab_size, make_vocab_size_divisible_by, max_tensor_parallel)
+    model_cfg = model_overrides(hf, rows, make_vocab_size_divisible_by)
+    cfg = megatron_io.make_config(model_cfg, num_mtp, steps)
+    tensors = hf_to_megatron(w, hf, rows, progress)
+    if not hf.num_mtp_layers and mtp_init == "copy_last_layer":
+        tensors.update(copy_last_layer(tensors, hf.num_layers, num_mtp))
+    extra = w.unused()
+    if extra:
+        raise ConvertError(f"{len(extra)} tensors of {hf_dir} are not mapped for {hf.family}, e.g. {extra[0]}")
+
+    model = megatron_io.build(cfg)
+    target = megatron_io.weights(model)
+    unknown = sorted(set(tensors) - set(target))
+    assert not unknown, f"key map produced names the model lacks: {unknown[:3]}"
+    missing = sorted(k for k in set(target) - set(tensors) if not k.startswith("mtp."))
+    assert not missing, f"key map left backbone tensors unset: {missing[:3]}"
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    with torch.no_grad():
+        for name, t in tqdm(tensors.items(), desc="tensors", unit="t", disable=not progress):
+            if tuple(t.shape) != tuple(target[name].shape):
+                raise ConvertError(f"shape mismatch for {name}: checkpoint {tuple(t.shape)}, "
+                                   f"config.json implies {tuple(target[name].shape)}")
+            params[name].copy_(t)
+    megatron_io.save(out_dir, model)
+
+    sections = {"model": model_cfg, "mtp": {"num_layers": num_mtp, "num_steps": steps}}
+    hf_out = os.path.join(out_dir, "hf")
+    os.makedirs(hf_out, exist_ok=True)
+    write_json(os.path.join(hf_out, "config.json"), hf.config)
+    copied = copy_tokenizer(hf_dir, hf_out)
+    with open(os.path.join(out_dir, "bebop_model.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.create(sections)))
+    mtp_from = "imported" if hf.num_mtp_layers else ("copied from the last layer" if mtp_init != "random" else "random")
+    log(f"wrote {out_dir}: {hf.family}, {hf.num_layers} layers, vocabulary {hf.vocab_size} -> {rows} rows, "
+        f"{num_mtp} MTP layer(s) ({mtp_from}); tokenizer files: {', '.join(copied) or 'none found'}")
+    log(f"train with: model.backbone_checkpoint={out_dir} (or model.init_checkpoint to keep its MTP weights) "
+        f"and the model/mtp sections of {os.path.join(out_dir, 'bebop_model.yaml')}")
+    return sections

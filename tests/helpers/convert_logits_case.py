@@ -1,0 +1,73 @@
+"""Load a converted checkpoint at several layouts in turn and compare its logits with transformers'.
+
+    torchrun --nproc_per_node 2 tests/helpers/convert_logits_case.py --ckpt DIR --hf-dir DIR \
+        --family qwen2 --out result.json parallel.tensor=1 parallel.tensor=2 \
+        parallel.tensor=2,parallel.sequence_parallel=true
+
+Each positional argument is one layout (comma-separated overrides); the process groups and
+the model are rebuilt for each (on 2 ranks, ``parallel.tensor=1`` is TP=1 with DP=2). Rank 0
+writes ``{"rel_err": [max|megatron - hf| / max|hf| per layout]}`` over the backbone logits of
+a fixed random batch (float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from bebop_megatron.config import load_config  # noqa: E402  (quiets Megatron's notices first)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--family", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("layouts", nargs="+")
+    args = parser.parse_args()
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from bebop_megatron.model import build_model
+    from bebop_megatron.platform import init_distributed
+    from bebop_megatron.training.checkpoint import load_model_weights
+    from bebop_megatron.training.parallel import setup_parallel
+    from tests.helpers.convert_models import hf_logits
+
+    rank, world = init_distributed("cpu")
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(12).unsqueeze(0).expand(2, 12)
+    ref = hf_logits(args.hf_dir, args.family, tokens) if rank == 0 else None
+    errors = []
+    for layout in args.layouts:
+        cfg = load_config(os.path.join(args.ckpt, "bebop_model.yaml"),
+                          ["device=cpu", "save.dir=null", "train.resume=none", "model.transformer_impl=local",
+                           *layout.split(",")])
+        setup_parallel(cfg, world)
+        model = build_model(cfg, "cpu")
+        model.eval()
+        load_model_weights(args.ckpt, model, backbone_only=False)
+        with torch.no_grad():
+            hidden = model(tokens, pos, None)
+            h = torch.chunk(hidden, 1 + cfg.mtp.num_steps, dim=0)[0]
+            logits, _ = model.output_layer(h, weight=model.output_weight())
+            logits = tensor_parallel.gather_from_tensor_model_parallel_region(
+                logits, group=parallel_state.get_tensor_model_parallel_group())
+        logits = logits.transpose(0, 1)[..., :96].float()
+        if rank == 0:
+            errors.append((logits - ref).abs().max().item() / ref.abs().max().item())
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"rel_err": errors, "layouts": args.layouts}, f)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

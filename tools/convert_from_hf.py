@@ -1,0 +1,47 @@
+"""Convert a Hugging Face model directory into a Megatron distributed checkpoint.
+
+    python tools/convert_from_hf.py --hf-dir HF_MODEL_DIR --out checkpoints/backbone \
+        [--mtp-num-steps K] [--mtp-init random|copy_last_layer] [--max-tensor-parallel 8]
+
+Families: Llama, Qwen2, Qwen3 (dense), Qwen3-MoE, MiMo and GLM-4.5-style MoE (their MTP
+layers are imported). DeepSeek-V3 (MLA) is refused.
+The checkpoint loads at any TP/PP/EP layout (TP must divide --max-tensor-parallel, which
+sets the vocabulary padding); train with ``model.backbone_checkpoint=OUT`` plus the
+``model``/``mtp`` sections written to ``OUT/bebop_model.yaml``. The tokenizer and source
+config are copied to ``OUT/hf``. The logic lives in :mod:`bebop_megatron.convert.importer`.
+"""
+
+import argparse
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-dir", required=True, help="Hugging Face model directory (config.json, *.safetensors)")
+    p.add_argument("--out", required=True, help="output Megatron distributed checkpoint directory")
+    p.add_argument("--mtp-num-steps", type=int, default=None,
+                   help="MTP steps K of the training config (default: the checkpoint's MTP layers, or 1)")
+    p.add_argument("--mtp-init", choices=("random", "copy_last_layer"), default="random",
+                   help="MTP layers of a model without them: Megatron's random init, or the last "
+                        "backbone layer (and final norm) copied into the MTP decoder layer")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--max-tensor-parallel", type=int, default=8,
+                   help="pad the vocabulary so every TP dividing this loads the checkpoint (default 8)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from bebop_megatron.convert.importer import convert_from_hf
+
+    convert_from_hf(args.hf_dir, args.out, mtp_num_steps=args.mtp_num_steps, mtp_init=args.mtp_init,
+                    make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                    max_tensor_parallel=args.max_tensor_parallel, progress=not args.no_progress)
+
+
+if __name__ == "__main__":
+    from bebop_megatron.cli import run_cli
+
+    run_cli(lambda: main(sys.argv[1:]))

@@ -1,0 +1,52 @@
+"""Export a Megatron checkpoint (any TP/PP/EP layout) as a Hugging Face directory that vLLM or
+SGLang loads for MTP speculative decoding.
+
+    # full model (backbone + trained MTP layers), from a training run's save.dir
+    python tools/convert_to_hf.py --checkpoint checkpoints/run --backbone checkpoints/backbone \
+        --format mimo --target vllm --out export/mimo_vllm
+    # the draft alone
+    python tools/convert_to_hf.py ... --mtp-only --out export/mimo_draft
+
+``--checkpoint`` is a training checkpoint (``save.dir`` or one ``iter_N``; MTP weights only,
+so ``--backbone`` names the model.backbone_checkpoint) or a full model checkpoint (e.g. from
+convert_from_hf.py). The source config.json and tokenizer come from ``hf/`` next to the
+backbone checkpoint, or ``--hf-dir``. ``--verify`` (default) reloads the written files,
+checks every name and shape, and compares an independent pure-PyTorch MTP forward with the
+Megatron model's draft logits. The logic lives in :mod:`bebop_megatron.convert.exporter`.
+"""
+
+import argparse
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="Megatron checkpoint with the MTP layers")
+    p.add_argument("--backbone", default=None, help="Megatron checkpoint with the backbone (default: --checkpoint)")
+    p.add_argument("--hf-dir", default=None, help="source HF config.json + tokenizer (default: BACKBONE/hf)")
+    p.add_argument("--format", required=True, help="mimo | glm4_moe (deepseek: refused, not supported yet)")
+    p.add_argument("--target", required=True, help="vllm | sglang")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--mtp-only", action="store_true", help="write the draft (MTP) checkpoint alone")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                   help="check names, shapes and draft logits after writing (default: on)")
+    p.add_argument("--tolerance", type=float, default=1e-4,
+                   help="max |logits difference| relative to max(1, |logits|) (default 1e-4; float32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from bebop_megatron.convert.exporter import convert_to_hf
+
+    convert_to_hf(args.checkpoint, args.out, args.format, args.target, backbone=args.backbone,
+                  hf_dir=args.hf_dir, mtp_only=args.mtp_only, verify=args.verify, tol=args.tolerance,
+                  progress=not args.no_progress)
+
+
+if __name__ == "__main__":
+    from bebop_megatron.cli import run_cli
+
+    run_cli(lambda: main(sys.argv[1:]))
