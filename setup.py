@@ -26,7 +26,8 @@ setup(
         "psutil",  # Megatron's dist-checkpointing writer workers need it
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "tensorboard", "wandb"],  # the logging tests write both
+        "tensorboard": ["tensorboard"],
         # apex is optional and not listed: build it from its own source if you want it.
         "gpu": ["transformer-engine[pytorch]"],
         "wandb": ["wandb"],

@@ -30,12 +30,23 @@ def parse_config(argv: list[str], description: str, defaults: Optional[dict[str,
 
 
 def run_cli(main: Callable[[], None]) -> None:
-    """Run ``main``; a user error (``ValueError``) prints one line and exits with status 2."""
+    """Run ``main``; one line on rank 0's stderr and a distinct exit status per outcome.
+
+    2: a user error (``ValueError``); 3: the numerics guard gave up (``train.max_skipped_steps``
+    consecutive non-finite steps); 75: preempted (SIGTERM / SIGUSR1) after a complete
+    checkpoint, to be requeued (``bebop_megatron.training.signals.REQUEUE_EXIT_CODE``).
+    """
     try:
         main()
     except ValueError as err:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as err:  # bebop_megatron.training.guard.NumericsError carries exit_code
+        if getattr(err, "exit_code", None) is None:
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -124,9 +124,7 @@ def eval_config(ckpt_path: str, args, world: int, device: str):
 
 def load_model(cfg, ckpt_path: str, device: str):
     """Build the model as the trainer does, then load the backbone and the trained MTP layers."""
-    from megatron.core import dist_checkpointing
-
-    from bebop_megatron.model import build_model, is_mtp_param
+    from bebop_megatron.model import build_model
     from bebop_megatron.training import checkpoint as ckpt
 
     model = build_model(cfg, device)
@@ -135,9 +133,7 @@ def load_model(cfg, ckpt_path: str, device: str):
     elif cfg.model.init_checkpoint:
         ckpt.load_model_weights(cfg.model.init_checkpoint, model, backbone_only=False)
     # A training checkpoint holds the MTP weights (and optimizer), not the frozen backbone.
-    mtp_sd = ckpt._filtered_sharded_state_dict(model, is_mtp_param)
-    loaded = dist_checkpointing.load({"model": mtp_sd}, ckpt_path)["model"]
-    ckpt._load_into(model, loaded, is_mtp_param)
+    ckpt.load_mtp_weights(ckpt_path, model)
     model.eval()
     return model
 

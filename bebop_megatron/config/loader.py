@@ -130,6 +130,8 @@ def validate(cfg: Config) -> None:
             f"mtp.num_layers={mtp.num_layers} must equal mtp.num_steps={mtp.num_steps} "
             "(one layer per step) or be 1 (one layer reused for every step)"
         )
+    if not 0.0 < m.rotary_percent <= 1.0:
+        raise ConfigError(f"model.rotary_percent={m.rotary_percent} must be in (0, 1]")
     if m.num_attention_heads % m.num_query_groups:
         raise ConfigError(
             f"model.num_query_groups={m.num_query_groups} must divide "
@@ -151,6 +153,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"model.num_experts={m.num_experts} must be >= 2 for model.family=moe")
         if not 1 <= m.moe_router_topk <= m.num_experts:
             raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts]")
+        _choice(m.moe_router_score_function, "model.moe_router_score_function", ("softmax", "sigmoid"))
+        if not 0 <= m.moe_first_dense_layers < m.num_layers:
+            raise ConfigError(f"model.moe_first_dense_layers={m.moe_first_dense_layers} must be in [0, model.num_layers)")
         if m.num_experts % p.expert:
             raise ConfigError(f"parallel.expert={p.expert} must divide model.num_experts={m.num_experts}")
         if p.tensor > 1 and not p.sequence_parallel:
@@ -198,6 +203,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"save.interval={cfg.save.interval} must be >= 0")
     if t.log_interval < 1:
         raise ConfigError(f"train.log_interval={t.log_interval} must be >= 1")
+    _validate_production(cfg)
     if cfg.eval.interval < 0:
         raise ConfigError(f"eval.interval={cfg.eval.interval} must be >= 0")
     if cfg.eval.max_samples < 0:
@@ -205,6 +211,25 @@ def validate(cfg: Config) -> None:
     from bebop_megatron.config.sources import validate_data  # imports ConfigError from here
 
     validate_data(cfg)
+
+
+def _validate_production(cfg: Config) -> None:
+    """Numerics guard, checkpoint retention, FP8 recipe and logging fields."""
+    t, s, f, w = cfg.train, cfg.save, cfg.fp8, cfg.logging.wandb
+    if t.max_skipped_steps < 1:
+        raise ConfigError(f"train.max_skipped_steps={t.max_skipped_steps} must be >= 1")
+    if s.keep_last < 0:
+        raise ConfigError(f"save.keep_last={s.keep_last} must be >= 0 (0 keeps every checkpoint)")
+    _choice(f.recipe, "fp8.recipe", ("delayed", "tensorwise", "mxfp8", "blockwise"))
+    _choice(f.format, "fp8.format", ("hybrid", "e4m3"))
+    _choice(f.amax_compute_algo, "fp8.amax_compute_algo", ("max", "most_recent"))
+    _positive(f.amax_history_len, "fp8.amax_history_len")
+    _choice(w.mode, "logging.wandb.mode", ("online", "offline", "disabled"))
+    if not w.project:
+        raise ConfigError("logging.wandb.project must not be empty")
+    peak = cfg.logging.peak_tflops
+    if peak is not None and peak <= 0:
+        raise ConfigError(f"logging.peak_tflops={peak} must be > 0 (or null)")
 
 
 def _validate_pipeline_layout(cfg: Config) -> None:

@@ -48,6 +48,23 @@ class ModelConfig:
     """``alltoall`` or ``allgather``."""
     moe_aux_loss_coeff: float = 0.0
     """Load-balancing loss on the MTP layers' routers (the backbone is frozen)."""
+    moe_router_pre_softmax: bool = False
+    """Router: softmax over all experts before the top-k (Qwen3-MoE with ``norm_topk_prob=false``);
+    false takes the top-k logits and softmaxes them (= renormalised top-k probabilities)."""
+    moe_router_score_function: str = "softmax"
+    """``softmax`` or ``sigmoid`` (GLM-4.5 / DeepSeek-V3; sigmoid top-k scores are renormalised)."""
+    moe_router_enable_expert_bias: bool = False
+    """A per-expert bias added to the scores for the top-k choice only (``e_score_correction_bias``)."""
+    moe_router_num_groups: Optional[int] = None
+    """Expert groups for group-limited routing (``n_group``); None: no groups."""
+    moe_router_group_topk: Optional[int] = None
+    """Groups each token may route to (``topk_group``)."""
+    moe_router_topk_scaling_factor: Optional[float] = None
+    """Multiplies the routed experts' weights (``routed_scaling_factor``)."""
+    moe_first_dense_layers: int = 0
+    """Leading backbone layers with a dense MLP of ``ffn_hidden_size`` (``first_k_dense_replace``)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions rotated by RoPE (GLM-4.5: 0.5; the first ones)."""
     transformer_impl: str = "auto"
     """``auto`` (Transformer Engine when importable on CUDA, else local), ``local`` or ``transformer_engine``."""
     freeze_backbone: bool = True
@@ -166,6 +183,9 @@ class TrainConfig:
     log_interval: int = 1
     deterministic: bool = True
     """Deterministic algorithms (CPU runs are bit-reproducible)."""
+    max_skipped_steps: int = 10
+    """Numerics guard: a step whose loss or gradient is not finite is skipped (no update,
+    counted and logged); this many consecutive skips abort the run (exit status 3)."""
 
 
 @dataclass
@@ -183,6 +203,49 @@ class SaveConfig:
     """Checkpoint directory; None disables saving."""
     interval: int = 0
     """Save every N steps (0: only at the end)."""
+    keep_last: int = 0
+    """Keep only the newest N checkpoints (older ones are deleted after a save); 0 keeps all."""
+    async_save: bool = False
+    """Write checkpoints in the background (Megatron-Core's async save, ``mcore`` strategy: a
+    forked writer per save): training continues while the files are written; ``latest``
+    moves once every rank has finished. Works on CPU (gloo) and CUDA."""
+
+
+@dataclass
+class FP8Config:
+    recipe: str = "delayed"
+    """Transformer Engine FP8 scaling recipe for ``precision=fp8`` (backbone forward and MTP
+    layers; the loss stays float32): ``delayed`` (scales from an amax history), ``tensorwise``
+    (current per-tensor scaling), ``blockwise`` (1x128 / 128x128 block scales, Hopper) or
+    ``mxfp8`` (MX block-32 scaling, Blackwell only)."""
+    format: str = "hybrid"
+    """``hybrid`` (E4M3 activations and weights, E5M2 gradients) or ``e4m3`` (E4M3 everywhere)."""
+    amax_history_len: int = 1024
+    """``delayed`` recipe: amax values kept per tensor to choose its scale."""
+    amax_compute_algo: str = "max"
+    """``delayed`` recipe: ``max`` (over the history) or ``most_recent``."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"
+    """``online`` (streams to the wandb server), ``offline`` (writes a run directory to sync
+    later with ``wandb sync``) or ``disabled``. Needs ``pip install -e '.[wandb]'``."""
+    project: str = "bebop_megatron"
+    name: Optional[str] = None
+    """Run name; None lets wandb choose one."""
+    dir: Optional[str] = None
+    """Parent of the ``wandb/`` run directories; None = ``save.dir`` (or the working directory)."""
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard event directory (``tensorboard --logdir DIR``); None disables TensorBoard."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device, for MFU; None: known from the GPU name (H100/H200,
+    A100, B200; bf16, doubled for fp8), otherwise MFU is not reported (e.g. on CPU)."""
 
 
 @dataclass
@@ -199,3 +262,5 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     save: SaveConfig = field(default_factory=SaveConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -75,6 +75,19 @@ def padded_vocab_size(cfg: Config) -> int:
     return -(-cfg.model.vocab_size // multiple) * multiple
 
 
+def fp8_transformer_settings(cfg) -> dict:
+    """The ``TransformerConfig`` fields for ``cfg.fp8`` (empty unless ``precision=fp8``)."""
+    if cfg.precision != "fp8":
+        return {}
+    f = cfg.fp8
+    return {
+        "fp8": f.format,
+        "fp8_recipe": f.recipe,
+        "fp8_amax_history_len": f.amax_history_len,
+        "fp8_amax_compute_algo": f.amax_compute_algo,
+    }
+
+
 def transformer_config(cfg: Config, device: str, use_te: bool) -> TransformerConfig:
     m, p = cfg.model, cfg.parallel
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}[cfg.precision]
@@ -109,7 +122,8 @@ def transformer_config(cfg: Config, device: str, use_te: bool) -> TransformerCon
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        fp8="hybrid" if cfg.precision == "fp8" else None,
+        # precision=fp8: format and recipe for Megatron-Core's per-layer FP8 autocast.
+        **fp8_transformer_settings(cfg),
         # Weights are built on the CPU as full tensors and sliced per rank: on CPU there is
         # nothing else, and on GPU this makes initialisation independent of the layout.
         use_cpu_initialization=True,
@@ -134,6 +148,15 @@ def transformer_config(cfg: Config, device: str, use_te: bool) -> TransformerCon
             moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
             moe_grouped_gemm=use_te,
             moe_router_dtype="fp32",
+            moe_router_pre_softmax=m.moe_router_pre_softmax,
+            moe_router_score_function=m.moe_router_score_function,
+            moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+            moe_router_num_groups=m.moe_router_num_groups,
+            moe_router_group_topk=m.moe_router_group_topk,
+            moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+            # A list makes Megatron key every layer separately in checkpoints (mixed dense/MoE).
+            moe_layer_freq=([0] * m.moe_first_dense_layers + [1] * (m.num_layers - m.moe_first_dense_layers)
+                            if m.moe_first_dense_layers else 1),
         )
     return TransformerConfig(**kwargs)
 
@@ -145,15 +168,18 @@ def build_model(cfg: Config, device: str, pg_collection=None) -> MTPGPTModel:
     num_experts = cfg.model.num_experts if cfg.model.family == "moe" else None
     layer = specs.layer_spec(num_experts, cfg.model.qk_layernorm, use_te)
     mtp_spec = specs.mtp_block_spec(tconfig, layer, use_te)
+    num_dense = cfg.model.moe_first_dense_layers if num_experts else 0
+    dense = specs.layer_spec(None, cfg.model.qk_layernorm, use_te) if num_dense else None
     model = MTPGPTModel(
         config=tconfig,
-        transformer_layer_spec=specs.decoder_block_spec(tconfig, layer, use_te),
+        transformer_layer_spec=specs.decoder_block_spec(tconfig, layer, use_te, dense, num_dense),
         vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
         share_embeddings_and_output_weights=cfg.model.tie_embeddings,
         position_embedding_type="rope",
+        rotary_percent=cfg.model.rotary_percent,
         rotary_base=int(cfg.model.rotary_base) if float(cfg.model.rotary_base).is_integer() else cfg.model.rotary_base,
         mtp_block_spec=mtp_spec,
         pg_collection=pg_collection,

@@ -4,12 +4,22 @@ Training checkpoints hold the MTP weights, the optimizer, the step, the data pos
 the RNG state; the frozen backbone is not copied (``model.backbone_checkpoint`` names it).
 A checkpoint is written to ``iter_NNNNNNN.tmp`` and renamed once complete; ``latest`` is
 replaced atomically afterwards, so a crash mid-save never leaves ``latest`` pointing at a
-partial checkpoint.
+partial checkpoint. Only then are checkpoints beyond ``save.keep_last`` deleted (never the one
+``latest`` names). Each checkpoint directory also holds ``config.yaml``, the resolved config
+of the run that wrote it.
+
+With an :class:`AsyncSaver` the shards are written by a forked writer process (Megatron-Core's
+``mcore`` async strategy; it works on CPU with gloo as well as on CUDA) while training goes
+on; the rename and ``latest`` happen in its finalize step, once every rank's writer is done.
+Megatron's writer reports through a ``spawn``-context ``Manager``, which re-imports the
+``__main__`` script: async saves need an entry point guarded by ``if __name__ == "__main__"``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
 
 import torch
@@ -21,6 +31,8 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_base
 from bebop_megatron.model import is_mtp_param
 
 LATEST = "latest"
+CONFIG_FILE = "config.yaml"
+_CHECKPOINT_NAME = re.compile(r"^iter_(\d+)$")
 
 
 def use_in_process_write_results() -> None:
@@ -61,8 +73,46 @@ def _rng_sharded_object(world_rank: int, world_size: int):
     return ShardedObject("rng_state", state, (world_size,), (world_rank,), replica_id=0)
 
 
-def save_training_checkpoint(save_dir: str, step: int, model, optimizer, common: dict) -> str:
-    """Collective over all ranks. Returns the final directory of the checkpoint."""
+class AsyncSaver:
+    """One background checkpoint write at a time (Megatron-Core ``AsyncCallsQueue``).
+
+    ``poll()`` once per step finalizes a finished write (a collective: call it on every rank);
+    ``wait()`` blocks until the write in flight is published (before the next save, at the
+    end of training and before a preemption exit).
+    """
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        # The writer is a forked process: results must go through a process-shared queue.
+        if filesystem_async._results_queue is not None and not hasattr(filesystem_async._results_queue, "_token"):
+            filesystem_async._results_queue = None
+        self.queue = AsyncCallsQueue()
+
+    def poll(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=False)
+
+    def wait(self) -> None:
+        self.queue.maybe_finalize_async_calls(blocking=True)
+
+    def close(self) -> None:
+        self.wait()
+        self.queue.close()
+
+
+def save_training_checkpoint(
+    save_dir: str, step: int, model, optimizer, common: dict, keep_last: int = 0, async_saver: AsyncSaver | None = None
+) -> str:
+    """Collective over all ranks. Returns the final directory of the checkpoint.
+
+    ``common["config_yaml"]``, when present, is also written as ``config.yaml`` inside the
+    checkpoint; ``keep_last > 0`` deletes all but the newest ``keep_last`` checkpoints after
+    ``latest`` has moved. With ``async_saver`` the call returns once the state is staged;
+    the checkpoint appears under its final name when the saver finalizes it.
+    """
+    if async_saver is not None:
+        async_saver.wait()  # one write in flight: the previous checkpoint is published first
     name = f"iter_{step:07d}"
     final = os.path.join(save_dir, name)
     tmp = final + ".tmp"
@@ -72,20 +122,68 @@ def save_training_checkpoint(save_dir: str, step: int, model, optimizer, common:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    use_in_process_write_results()
+    if async_saver is None:
+        use_in_process_write_results()
     state = {"common": common, "rng_state": _rng_sharded_object(rank, world)}
     model_sd = _filtered_sharded_state_dict(model, is_mtp_param)
     if model_sd:
         state["model"] = model_sd
     state["optimizer"] = _same_common_state_on_all_stages(optimizer.sharded_state_dict(model_sd), bool(model_sd))
-    dist_checkpointing.save(state, tmp)
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_atomic(os.path.join(save_dir, LATEST), name)
-    dist.barrier()
+    publish = functools.partial(_publish, save_dir, name, keep_last, common.get("config_yaml"))
+    if async_saver is None:
+        dist_checkpointing.save(state, tmp)
+        publish()
+    else:
+        request = dist_checkpointing.save(state, tmp, async_sharded_save=True, async_strategy="mcore")
+        request.add_finalize_fn(publish)  # runs after Megatron's own metadata finalize
+        async_saver.queue.schedule_async_request(request)
     return final
+
+
+def _publish(save_dir: str, name: str, keep_last: int, config_yaml: str | None) -> None:
+    """Add ``config.yaml``, rename the complete ``NAME.tmp`` to ``NAME``, then move ``latest``
+    (collective)."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        final = os.path.join(save_dir, name)
+        if config_yaml is not None:
+            with open(os.path.join(final + ".tmp", CONFIG_FILE), "w") as f:
+                f.write(config_yaml)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(final + ".tmp", final)
+        _write_atomic(os.path.join(save_dir, LATEST), name)
+        _remove_partial_saves(save_dir, older_than=name)
+        if keep_last:
+            prune_checkpoints(save_dir, keep_last)
+    dist.barrier()
+
+
+def _remove_partial_saves(save_dir: str, older_than: str) -> None:
+    """Delete ``iter_N.tmp`` directories left by a crashed run (steps before ``older_than``)."""
+    newest = int(_CHECKPOINT_NAME.match(older_than).group(1))
+    for entry in os.listdir(save_dir):
+        match = _CHECKPOINT_NAME.match(entry.removesuffix(".tmp"))
+        if entry.endswith(".tmp") and match and int(match.group(1)) < newest:
+            shutil.rmtree(os.path.join(save_dir, entry), ignore_errors=True)
+
+
+def list_checkpoints(save_dir: str) -> list[str]:
+    """Names of the complete checkpoints in ``save_dir`` (``iter_N``, no ``.tmp``), oldest first."""
+    if not os.path.isdir(save_dir):
+        return []
+    names = [n for n in os.listdir(save_dir) if _CHECKPOINT_NAME.match(n)]
+    return sorted(names, key=lambda n: int(_CHECKPOINT_NAME.match(n).group(1)))
+
+
+def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` checkpoints, never the one ``latest`` names.
+    Returns the deleted names."""
+    latest = latest_checkpoint(save_dir)
+    keep = set(list_checkpoints(save_dir)[-keep_last:]) | ({os.path.basename(latest)} if latest else set())
+    deleted = [n for n in list_checkpoints(save_dir) if n not in keep]
+    for name in deleted:
+        shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    return deleted
 
 
 def _same_common_state_on_all_stages(opt_sd: dict, has_mtp: bool) -> dict:
@@ -153,6 +251,14 @@ def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> 
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+def load_mtp_weights(path: str, model) -> None:
+    """Load only the MTP layers' weights of a training checkpoint (no optimizer, no RNG):
+    what evaluation needs. Any saved layout loads at this model's layout."""
+    sd = _filtered_sharded_state_dict(model, is_mtp_param)
+    if sd:  # backbone-only pipeline stages hold no MTP weight
+        _load_into(model, dist_checkpointing.load({"model": sd}, path)["model"], is_mtp_param)
 
 
 def _load_into(model, state_dict: dict, keep) -> None:

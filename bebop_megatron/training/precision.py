@@ -1,23 +1,47 @@
-"""Precision checks: FP8 needs Transformer Engine and an FP8-capable GPU."""
+"""Precision: FP8 needs Transformer Engine and a GPU that supports the chosen recipe.
+
+``precision=fp8`` runs the backbone forward and the MTP layers under Megatron-Core's FP8
+autocast (``fp8_utils.get_fp8_context``, entered per transformer layer, which builds the TE
+recipe from the ``TransformerConfig`` fields that ``model.builder.transformer_config`` sets from
+``fp8.*``); the output layer and the loss stay in bf16 / float32.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from bebop_megatron.model.builder import fp8_transformer_settings  # noqa: F401  (re-exported)
 from bebop_megatron.platform import have_transformer_engine
 
 INSTALL_HINT = "install Transformer Engine with: pip install -e '.[gpu]'"
 
+# Lowest compute capability per recipe: FP8 tensor cores arrive with Ada/Hopper (8.9 / 9.0);
+# 1x128 / 128x128 block scales are a Hopper TE kernel; MX block-32 scaling is Blackwell only.
+MIN_CAPABILITY = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+# Transformer Engine release that introduced the recipe (Megatron-Core checks the same).
+MIN_TE_VERSION = {"delayed": "1.0", "tensorwise": "2.2", "blockwise": "2.3", "mxfp8": "2.1"}
 
-def check_fp8_available(device: str) -> None:
-    """Raise ``ValueError`` with the reason when ``precision=fp8`` cannot run here."""
+
+def check_fp8_available(device: str, recipe: str = "delayed") -> None:
+    """Raise ``ValueError`` with the reason when ``precision=fp8`` with ``recipe`` cannot run here."""
     if device != "cuda":
-        raise ValueError(f"precision=fp8 needs a CUDA GPU with FP8 support (device is {device}); use precision=bf16 or fp32")
+        raise ValueError(
+            f"precision=fp8 needs a CUDA GPU with FP8 support (device is {device}); use precision=bf16 or fp32"
+        )
     if not have_transformer_engine():
         raise ValueError(f"precision=fp8 needs Transformer Engine, which is not importable; {INSTALL_HINT}")
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) < (8, 9):
+    from megatron.core.utils import is_te_min_version
+
+    if not is_te_min_version(MIN_TE_VERSION[recipe]):
         raise ValueError(
-            f"precision=fp8 needs an FP8-capable GPU (compute capability >= 8.9, e.g. H100/H200/L40S); "
-            f"this GPU is {major}.{minor}"
+            f"fp8.recipe={recipe} needs Transformer Engine >= {MIN_TE_VERSION[recipe]}; {INSTALL_HINT}"
+        )
+    capability = torch.cuda.get_device_capability()
+    if capability < MIN_CAPABILITY[recipe]:
+        need = ".".join(map(str, MIN_CAPABILITY[recipe]))
+        raise ValueError(
+            f"fp8.recipe={recipe} needs compute capability >= {need} "
+            f"({'Blackwell, e.g. B200' if recipe == 'mxfp8' else 'e.g. H100/H200'}); this GPU "
+            f"({torch.cuda.get_device_name()}) is {capability[0]}.{capability[1]}"
+            + ("; use fp8.recipe=blockwise or tensorwise on Hopper" if recipe == "mxfp8" else "")
         )

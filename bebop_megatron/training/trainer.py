@@ -9,6 +9,7 @@ Usage (``examples/pretrain_mtp.py`` is a thin wrapper)::
 from __future__ import annotations
 
 import functools
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,10 +31,14 @@ from bebop_megatron.model import build_model, mtp_parameters
 from bebop_megatron.model.builder import use_transformer_engine
 from bebop_megatron.platform import init_distributed, resolve_device
 from bebop_megatron.training import checkpoint as ckpt
+from bebop_megatron.training.flops import mfu, peak_tflops_per_device, step_flops
+from bebop_megatron.training.guard import NumericsGuard, agree_on_flags, local_loss_is_finite
 from bebop_megatron.training.loss import STAT_ROWS, mtp_loss
+from bebop_megatron.training.monitor import Monitor, peak_memory_gib, step_scalars
 from bebop_megatron.training.optim import build_optimizer, finalize_mtp_grads, wrap_ddp
 from bebop_megatron.training.parallel import setup_parallel
 from bebop_megatron.training.schedule import run_microbatches
+from bebop_megatron.training.signals import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
 
 
 @dataclass
@@ -48,12 +53,18 @@ class StepMetrics:
     alpha_to: list[float] = field(default_factory=list)  # mean p(argmax q) per MTP step
     entropy_target: list[float] = field(default_factory=list)  # mean H(p)
     entropy_draft: list[float] = field(default_factory=list)  # mean H(q)
+    kl: list[float] = field(default_factory=list)  # mean KL(p || q)
     # Expected accepted length E[L](g), g = 1..K: per position sum_{j<=g} prod_{i<=j} alpha_i,
     # averaged over the positions whose chain reaches g (rejection sampling / target-only).
     accept_len_rs: list[float] = field(default_factory=list)
     accept_len_to: list[float] = field(default_factory=list)
     tokens_per_s: float = 0.0
     extra: dict = field(default_factory=dict)
+
+
+def per_step(values) -> str:
+    """One number per MTP step, for the console."""
+    return " ".join(f"{v:.3f}" for v in values)
 
 
 def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device, loss_cfg):
@@ -98,11 +109,18 @@ class Trainer:
         if cfg.precision == "fp8":
             from bebop_megatron.training.precision import check_fp8_available
 
-            check_fp8_available(self.device)
+            check_fp8_available(self.device, cfg.fp8.recipe)
         if cfg.train.deterministic and self.device == "cpu":
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.rank, self.world = init_distributed(self.device)
         self.log = log if self.rank == 0 else (lambda *a, **k: None)
+        self.monitor = Monitor(cfg, self.rank, self.log)  # TensorBoard / wandb on rank 0
+        self.preemption = PreemptionHandler().install()
+        self.stop_requested = False  # all ranks agree on it at each optimizer step
+        self.guard = NumericsGuard(cfg.train.max_skipped_steps)
+        self.async_saver = ckpt.AsyncSaver() if cfg.save.async_save and cfg.save.dir else None
+        self.flops = step_flops(cfg)
+        self.peak_tflops = peak_tflops_per_device(self.device, cfg.precision, cfg.logging.peak_tflops)
         real_data = bool(cfg.data.train_files or cfg.data.valid_files)
         check_packing(cfg, use_transformer_engine(cfg, self.device))
         # Data first: a bad input line stops the run before any model is built.
@@ -148,17 +166,24 @@ class Trainer:
         )
         self.step = common["step"]
         self.consumed_samples = common["consumed_samples"]
+        self.guard.total = common.get("skipped_steps", 0)
         self.scheduler.step(increment=self.step)
         self.log(f"resumed from {path} at step {self.step} (samples consumed: {self.consumed_samples})")
 
     def save(self) -> str:
+        """Write a training checkpoint (collective); returns its final path. With
+        ``save.async_save`` it appears there once the background write is published."""
         common = {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
             "layout": self._layout(),
             "config_yaml": to_yaml(self.cfg),
+            "skipped_steps": self.guard.total,
         }
-        return ckpt.save_training_checkpoint(self.cfg.save.dir, self.step, self.model, self.optimizer, common)
+        return ckpt.save_training_checkpoint(
+            self.cfg.save.dir, self.step, self.model, self.optimizer, common,
+            keep_last=self.cfg.save.keep_last, async_saver=self.async_saver,
+        )
 
     # ---------------------------------------------------------------- step
 
@@ -215,24 +240,43 @@ class Trainer:
         metrics.extra["rows"] = num_rows
         return metrics
 
-    def optimizer_step(self) -> torch.Tensor:
+    def optimizer_step(self, outputs: list = ()) -> torch.Tensor:
         """Clip, update and advance the LR schedule; returns the global grad norm.
 
+        Numerics guard (:mod:`~bebop_megatron.training.guard`): the global grad norm is
+        computed first, and if it or a loss in ``outputs`` is not finite on any rank the
+        update is skipped (``self.last_step_skipped``); the schedule advances either way.
+        The same all-reduce agrees on a pending preemption signal (``self.stop_requested``).
         Backbone-only stages own no trainable parameter: they skip the optimizer (and its
         grad-norm reduction) entirely and only advance the schedule.
         """
         norm = None
+        bad = False
         if self.has_mtp:
-            _, norm, _ = self.optimizer.step()
+            self.optimizer.prepare_grads()
+            norm = float(self.optimizer.get_grad_norm())
+            bad = not (math.isfinite(norm) and local_loss_is_finite(outputs))
+        bad, stop = agree_on_flags(bad, self.preemption.received is not None, device=self._comm_device)
+        self.stop_requested |= stop
+        self.last_step_skipped = bad
+        if self.has_mtp and not bad:
+            _, clipped_norm, _ = self.optimizer.step()  # None when clip_grad=0
+            norm = clipped_norm if clipped_norm is not None else norm
         self.scheduler.step(increment=1)
         return torch.tensor(float(norm) if norm is not None else 0.0)
 
     def train_step(self, micro_batches) -> StepMetrics:
         outputs = self.forward_backward(micro_batches)
-        grad_norm = self.optimizer_step()
+        grad_norm = self.optimizer_step(outputs)
         self.step += 1
         self.consumed_samples += self.cfg.train.global_batch_size
-        return self.reduce_metrics(outputs, grad_norm)
+        metrics = self.reduce_metrics(outputs, grad_norm)
+        metrics.extra["skipped"] = self.last_step_skipped
+        if self.last_step_skipped:
+            self.log(f"step {self.step}: non-finite loss or gradient, update skipped "
+                     f"({self.guard.consecutive + 1} in a row, {self.guard.total + 1} in all)")
+        self.guard.record(self.last_step_skipped, self.step)  # raises after too many in a row
+        return metrics
 
     def reduce_metrics(self, outputs: list, grad_norm: torch.Tensor) -> StepMetrics:
         """One all-reduce per step brings the logged numbers to every rank.
@@ -271,6 +315,7 @@ class Trainer:
             alpha_to=mean["alpha_to"],
             entropy_target=mean["entropy_target"],
             entropy_draft=mean["entropy_draft"],
+            kl=mean["kl"],
             accept_len_rs=mean["accept_len_rs"],
             accept_len_to=mean["accept_len_to"],
         )
@@ -289,6 +334,8 @@ class Trainer:
 
     def train(self) -> list[StepMetrics]:
         cfg = self.cfg
+        self.log(f"resolved config:\n{to_yaml(cfg)}")
+        self.monitor.text("config", to_yaml(cfg))
         self.log(self.summary())
         history: list[StepMetrics] = []
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
@@ -300,7 +347,12 @@ class Trainer:
         while self.step < cfg.train.steps:
             t0 = time.perf_counter()
             metrics = self.train_step(next(data))
-            metrics.tokens_per_s = tokens_per_step / max(time.perf_counter() - t0, 1e-9)
+            seconds = max(time.perf_counter() - t0, 1e-9)
+            metrics.tokens_per_s = tokens_per_step / seconds
+            metrics.extra["mfu"] = mfu(self.flops["total"], seconds, self.world, self.peak_tflops)
+            metrics.extra["peak_mem_gib"] = peak_memory_gib(self.device)
+            self.monitor.scalars(metrics.step, step_scalars(
+                metrics, metrics.extra["mfu"], metrics.extra["peak_mem_gib"], self.guard.total))
             history.append(metrics)
             if metrics.step % cfg.train.log_interval == 0 or metrics.step == cfg.train.steps:
                 self.log(self.format(metrics, time.perf_counter() - start))
@@ -311,29 +363,50 @@ class Trainer:
                 result = self.evaluate_valid()
                 self.eval_history.append(result)
                 self.log(self.format_eval(result, time.perf_counter() - t_eval))
-            if cfg.save.dir and cfg.save.interval and metrics.step % cfg.save.interval == 0:
-                self.log(f"saved {self.save()}")
+            saved = bool(cfg.save.dir and cfg.save.interval and metrics.step % cfg.save.interval == 0)
+            if saved:
+                self.log(f"{'saving (async)' if self.async_saver else 'saved'} {self.save()}")
+            if self.async_saver is not None:
+                self.async_saver.poll()
+            if self.stop_requested:
+                self._exit_for_requeue(saved)
         if cfg.save.dir and (not cfg.save.interval or self.step % cfg.save.interval):
-            self.log(f"saved {self.save()}")
+            self.log(f"{'saving (async)' if self.async_saver else 'saved'} {self.save()}")
+        if self.async_saver is not None:
+            self.async_saver.close()
+        self.monitor.close()
         return history
+
+    def _exit_for_requeue(self, saved: bool) -> None:
+        """Preemption (SIGTERM / SIGUSR1): save a complete checkpoint, exit with 75."""
+        path = os.path.join(self.cfg.save.dir, f"iter_{self.step:07d}") if saved else None
+        if self.cfg.save.dir and not saved:
+            path = self.save()
+        if self.async_saver is not None:
+            self.async_saver.close()
+        message = (
+            f"{self.preemption.received or 'preemption signal'}: checkpoint {path or '(none: save.dir is null)'} "
+            f"at step {self.step}; exiting with {REQUEUE_EXIT_CODE} so that the launcher requeues the job"
+        )
+        self.log(message)
+        self.monitor.close()
+        raise Preempted(message)
 
     def format(self, m: StepMetrics, elapsed: float) -> str:
         steps = self.cfg.train.steps
         eta = elapsed / max(len(range(m.step)), 1) * (steps - m.step)
-        def per_step(values):
-            return " ".join(f"{v:.3f}" for v in values)
-
         return (
             f"step {m.step:>5}/{steps} | {self.cfg.loss.type} {m.loss:.4f} | alpha_RS [{per_step(m.alpha_rs)}] | "
             f"E[L] {m.accept_len_rs[-1]:.2f} | top1 [{per_step(m.top1)}] | H(p) {m.entropy_target[0]:.2f} | "
             f"grad_norm {m.grad_norm:.3f} | "
-            f"lr {m.lr:.2e} | {m.tokens_per_s:,.0f} tok/s | ETA {eta:.0f}s"
+            f"lr {m.lr:.2e} | {m.tokens_per_s:,.0f} tok/s | "
+            + (f"MFU {m.extra['mfu']:.1%} | " if m.extra.get("mfu") is not None else "")
+            + (f"mem {m.extra['peak_mem_gib']:.2f} GiB | " if "peak_mem_gib" in m.extra else "")
+            + (f"skipped {self.guard.total} | " if self.guard.total else "")
+            + f"ETA {eta:.0f}s"
         )
 
     def format_eval(self, m: StepMetrics, seconds: float) -> str:
-        def per_step(values):
-            return " ".join(f"{v:.3f}" for v in values)
-
         return (
             f"eval  {m.step:>5} | {m.extra['rows']} rows | {self.cfg.loss.type} {m.loss:.4f} | "
             f"alpha_RS [{per_step(m.alpha_rs)}] | alpha_TO [{per_step(m.alpha_to)}] | "
