@@ -10,9 +10,12 @@ transformers' classes, are imported with ``tools/convert_from_hf.py``. Checked:
 - HF -> Megatron -> HF reproduces every tensor of the source bit-exactly;
 - the independent forward is sensitive to the projection's concat order (a swapped
   ``input_proj`` changes the draft logits), so the verification would catch it;
-- export from checkpoints re-saved at PP=2 x TP=2 (GLM: with SP and EP=2) equals export from
+- export from the GLM checkpoint re-saved at PP=2 x TP=2 with SP and EP=2 equals export from
   TP=1; export from a TP=2 training checkpoint (MTP weights only, plus ``--backbone``);
 - unsupported format/target combinations and missing inputs: one clear error line.
+
+The conversions and exports that need no multi-rank run execute in one process (the
+``batch`` fixture, tests/helpers/cli_batch.py), each exactly as the tool's command line.
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ import sys
 import pytest
 import torch
 
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.convert_models import make_hf_model
 from tests.helpers.launch import REPO, run_script
-from tests.test_convert_import import convert, run_cli as run_import_cli
 
 EXPORT_CLI = str(REPO / "tools" / "convert_to_hf.py")
 QWEN2_LAYER = [
@@ -78,42 +81,94 @@ def exported(args: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
+def ok(proc) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    return proc
+
+
 def load_dir(path) -> dict[str, torch.Tensor]:
     from bebop_megatron.convert.hf_io import read_all
 
     return read_all(str(path))
 
 
-def _imported(root, family, dtype=torch.float32):
-    hf_dir = make_hf_model(family, root / "hf", dtype=dtype)
-    convert(hf_dir, root / "megatron")
-    return root
+def _error_line(proc) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+COMBOS = [(target, mtp_only) for target in ("vllm", "sglang") for mtp_only in (False, True)]
 
 
 @pytest.fixture(scope="module")
-def mimo(tmp_path_factory):
-    return _imported(tmp_path_factory.mktemp("mimo"), "mimo")
+def batch(tmp_path_factory):
+    """Every conversion and export of this module that needs no multi-rank run, in one
+    process (tests/helpers/cli_batch.py): the import cost is paid once. Returns
+    ``(root, results)``: model directories under ``root / NAME`` (``hf``, ``megatron``) and
+    one ``CompletedProcess``-like result per named call."""
+    root = tmp_path_factory.mktemp("export")
+    calls, names = [], []
 
+    def add(name, tool, argv):
+        names.append(name)
+        calls.append({"tool": tool, "argv": ["--no-progress", *argv]})
 
-@pytest.fixture(scope="module")
-def glm(tmp_path_factory):
-    return _imported(tmp_path_factory.mktemp("glm"), "glm4_moe", torch.bfloat16)  # as published
+    models = {  # name -> (family, make_hf_model options, convert_from_hf options)
+        "mimo": ("mimo", {}, []),
+        "glm": ("glm4_moe", {"dtype": torch.bfloat16}, []),  # bf16 with the router bias in fp32, as published
+        "glm_2mtp": ("glm4_moe", {"num_mtp": 2}, []),
+        "mimo_2mtp": ("mimo", {"num_mtp": 2}, []),
+        "qwen2_copy": ("qwen2", {}, ["--mtp-init", "copy_last_layer"]),
+        "qwen3": ("qwen3", {}, []),
+    }
+    for name, (family, options, extra) in models.items():
+        hf_dir = make_hf_model(family, root / name / "hf", **options)
+        add(f"import/{name}", "convert_from_hf", ["--hf-dir", str(hf_dir), "--out", str(root / name / "megatron"),
+                                                  "--max-tensor-parallel", "2", *extra])
+
+    def export_call(name, model, fmt, target, *extra):
+        add(name, "convert_to_hf", ["--checkpoint", str(root / model / "megatron"), "--format", fmt, "--target",
+                                    target, "--out", str(root / "out" / name.replace("/", "_")), *extra])
+
+    for fmt, model in (("mimo", "mimo"), ("glm4_moe", "glm")):
+        for target, mtp_only in COMBOS:
+            export_call(f"{fmt}/{target}/{mtp_only}", model, fmt, target, *(["--mtp-only"] if mtp_only else []))
+        export_call(f"{fmt}/round_trip", model, fmt, "vllm", "--no-verify")
+    export_call("glm_2mtp/vllm", "glm_2mtp", "glm4_moe", "vllm", "--mtp-only")
+    export_call("glm_2mtp/sglang", "glm_2mtp", "glm4_moe", "sglang")
+    export_call("mimo_2mtp/sglang", "mimo_2mtp", "mimo", "sglang")
+    export_call("qwen2_copy/sglang", "qwen2_copy", "mimo", "sglang")
+    export_call("qwen3/mimo", "qwen3", "mimo", "vllm")
+    base = ["--checkpoint", str(root / "mimo" / "megatron"), "--out", str(root / "out" / "error")]
+    add("error/deepseek", "convert_to_hf", [*base, "--format", "deepseek", "--target", "vllm"])
+    add("error/glm_on_mimo", "convert_to_hf", [*base, "--format", "glm4_moe", "--target", "vllm"])
+    add("error/format", "convert_to_hf", [*base, "--format", "eagle", "--target", "vllm"])
+    add("error/target", "convert_to_hf", [*base, "--format", "mimo", "--target", "trtllm"])
+    add("error/missing", "convert_to_hf", ["--checkpoint", str(root / "none"), "--out", str(root / "out" / "error"),
+                                           "--format", "mimo", "--target", "vllm"])
+    results = dict(zip(names, run_batch(calls, root / "batch")))
+    for name in names:
+        if name.startswith("import/"):
+            ok(results[name])
+    return root, results
 
 
 @pytest.mark.parametrize("fmt", ["mimo", "glm4_moe"])
 @pytest.mark.parametrize("target", ["vllm", "sglang"])
 @pytest.mark.parametrize("mtp_only", [False, True])
-def test_export_key_set_and_verify(request, fmt, target, mtp_only, tmp_path):
-    root = request.getfixturevalue("mimo" if fmt == "mimo" else "glm")
-    out = tmp_path / "out"
-    proc = exported(["--checkpoint", str(root / "megatron"), "--format", fmt, "--target", target,
-                     "--out", str(out), *(["--mtp-only"] if mtp_only else [])])
+def test_export_key_set_and_verify(batch, fmt, target, mtp_only):
+    import json
+
+    root, results = batch
+    name = f"{fmt}/{target}/{mtp_only}"
+    proc = ok(results[name])
+    out = root / "out" / name.replace("/", "_")
     assert "verified:" in proc.stdout and "max_diff_mtp1" in proc.stdout, proc.stdout
     assert ("max_diff_backbone" in proc.stdout) == (not mtp_only)
     written = load_dir(out)
     assert set(written) == EXPECTED[fmt][(target, mtp_only)]
-    import json
-
     conf = json.loads((out / "config.json").read_text())
     assert conf["num_nextn_predict_layers"] == 1
     if fmt == "mimo":
@@ -127,38 +182,33 @@ def test_export_key_set_and_verify(request, fmt, target, mtp_only, tmp_path):
     assert ("speculative-use-rejection-sampling" if target == "sglang" else "probabilistic") in proc.stdout
 
 
-@pytest.mark.parametrize("fmt", ["mimo", "glm4_moe"])
-def test_round_trip_bit_exact(request, fmt, tmp_path):
-    root = request.getfixturevalue("mimo" if fmt == "mimo" else "glm")
-    exported(["--checkpoint", str(root / "megatron"), "--format", fmt, "--target", "vllm",
-              "--out", str(tmp_path / "out"), "--no-verify"])
-    source, written = load_dir(root / "hf"), load_dir(tmp_path / "out")
+@pytest.mark.parametrize("fmt, model", [("mimo", "mimo"), ("glm4_moe", "glm")])
+def test_round_trip_bit_exact(batch, fmt, model):
+    root, results = batch
+    ok(results[f"{fmt}/round_trip"])
+    source, written = load_dir(root / model / "hf"), load_dir(root / "out" / f"{fmt}_round_trip")
     assert set(written) == set(source)
     for name, t in source.items():
         assert written[name].dtype == t.dtype and torch.equal(written[name], t), name
 
 
-def test_glm_two_mtp_layers(tmp_path):
+def test_glm_two_mtp_layers(batch):
     """Two NextN layers: vLLM export verified (absolute indices N, N+1); SGLang refused."""
-    hf_dir = make_hf_model("glm4_moe", tmp_path / "hf", num_mtp=2)
-    convert(hf_dir, tmp_path / "megatron")
-    proc = exported(["--checkpoint", str(tmp_path / "megatron"), "--format", "glm4_moe", "--target", "vllm",
-                     "--out", str(tmp_path / "o"), "--mtp-only"])
-    assert "max_diff_mtp2" in proc.stdout
-    names = set(load_dir(tmp_path / "o"))
+    root, results = batch
+    assert "max_diff_mtp2" in ok(results["glm_2mtp/vllm"]).stdout
+    names = set(load_dir(root / "out" / "glm_2mtp_vllm"))
     assert names == GLM_LAYER2 | {n.replace("layers.2.", "layers.3.") for n in GLM_LAYER2}
-    line = _error_line(export(["--checkpoint", str(tmp_path / "megatron"), "--format", "glm4_moe", "--target",
-                               "sglang", "--out", str(tmp_path / "o2")]))
-    assert "SGLang loads one NextN layer; the checkpoint has 2" in line
+    assert "SGLang loads one NextN layer; the checkpoint has 2" in _error_line(results["glm_2mtp/sglang"])
 
 
-def test_reference_forward_sees_swapped_halves(mimo, tmp_path):
+def test_reference_forward_sees_swapped_halves(batch):
     """The independent MiMo forward depends on the concat order: a Megatron-order projection
     (embedding half first) written unswapped would fail the verification."""
     import json
 
     from bebop_megatron.convert.verify import mimo_draft_logits
 
+    mimo = batch[0] / "mimo"
     config = json.loads((mimo / "hf" / "config.json").read_text())
     weights = load_dir(mimo / "hf")
     tokens = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(1))
@@ -170,50 +220,42 @@ def test_reference_forward_sees_swapped_halves(mimo, tmp_path):
     assert (good - bad).abs().max() > 1e-2
 
 
-LAYOUTS = {  # re-saved on 4 ranks; GLM's dense layer 0 and MoE layer 1 land on different stages
-    "mimo": ["parallel.pipeline=2", "parallel.tensor=2"],
-    "glm4_moe": ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2",
-                 "parallel.expert_tensor=1"],
-}
+# Re-saved on 4 ranks; GLM's dense layer 0 and MoE layer 1 land on different stages. (MiMo's
+# layout change is covered by the export of its TP=2 training checkpoint below.)
+GLM_RESHARD = ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2",
+               "parallel.expert_tensor=1"]
 
 
-@pytest.mark.parametrize("fmt", ["mimo", "glm4_moe"])
-def test_export_from_pp2_tp2_equals_tp1(request, fmt, tmp_path):
-    root = request.getfixturevalue("mimo" if fmt == "mimo" else "glm")
+def test_export_from_pp2_tp2_equals_tp1(batch, tmp_path):
+    root, results = batch
     resaved = tmp_path / "resaved"
-    run_script("convert_reshard_case.py", ["--ckpt", str(root / "megatron"), "--out", str(resaved), *LAYOUTS[fmt]], 4)
-    outs = []
-    for src, name in ((root / "megatron", "tp1"), (resaved, "pp2tp2")):
-        exported(["--checkpoint", str(src), "--format", fmt, "--target", "vllm", "--out", str(tmp_path / name),
-                  "--no-verify"])
-        outs.append(load_dir(tmp_path / name))
-    ref, got = outs
+    run_script("convert_reshard_case.py", ["--ckpt", str(root / "glm" / "megatron"), "--out", str(resaved),
+                                           *GLM_RESHARD], 4)
+    exported(["--checkpoint", str(resaved), "--format", "glm4_moe", "--target", "vllm", "--out",
+              str(tmp_path / "pp2tp2"), "--no-verify"])
+    ok(results["glm4_moe/round_trip"])  # the same export from the TP=1 checkpoint
+    ref, got = load_dir(root / "out" / "glm4_moe_round_trip"), load_dir(tmp_path / "pp2tp2")
     assert set(ref) == set(got)
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
 
 
-def _error_line(proc) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
-    return lines[0]
+def test_errors(batch):
+    results = batch[1]
+    assert "not supported yet" in _error_line(results["error/deepseek"])
+    assert "needs a GLM-4.5 MoE checkpoint" in _error_line(results["error/glm_on_mimo"])
+    assert "unknown --format 'eagle'" in _error_line(results["error/format"])
+    assert "unknown --target 'trtllm'" in _error_line(results["error/target"])
+    assert "not found" in _error_line(results["error/missing"])
+    assert "SGLang's MiMoMTP loads one MTP layer; the checkpoint has 2" in _error_line(results["mimo_2mtp/sglang"])
+    # Qwen3 is Qwen2-shaped but for its qk-norms, which MiMo's layers do not have
+    assert "--format mimo needs a Qwen2-shaped dense model" in _error_line(results["qwen3/mimo"])
 
 
-def test_errors(mimo, tmp_path):
-    ckpt = str(mimo / "megatron")
-    base = ["--checkpoint", ckpt, "--out", str(tmp_path / "o")]
-    assert "not supported yet" in _error_line(export([*base, "--format", "deepseek", "--target", "vllm"]))
-    assert "needs a GLM-4.5 MoE checkpoint" in _error_line(export([*base, "--format", "glm4_moe", "--target", "vllm"]))
-    assert "unknown --format 'eagle'" in _error_line(export([*base, "--format", "eagle", "--target", "vllm"]))
-    assert "unknown --target 'trtllm'" in _error_line(export([*base, "--format", "mimo", "--target", "trtllm"]))
-    assert "not found" in _error_line(export(["--checkpoint", str(tmp_path / "none"), "--out", str(tmp_path / "o"),
-                                              "--format", "mimo", "--target", "vllm"]))
-
-
-def test_export_from_training_checkpoint(mimo, tmp_path):
+def test_export_from_training_checkpoint(batch, tmp_path):
     """The user's path: train on the imported backbone at TP=2 (2 ranks), export the MTP-only
     training checkpoint with ``--backbone``; verified, and the MTP weights did change."""
+    mimo = batch[0] / "mimo"
     save = tmp_path / "run"
     run_script(str(REPO / "examples" / "pretrain_mtp.py"), [
         "--config", str(mimo / "megatron" / "bebop_model.yaml"), "device=cpu", "parallel.tensor=2",
@@ -232,32 +274,14 @@ def test_export_from_training_checkpoint(mimo, tmp_path):
     assert torch.equal(trained["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
 
 
-def test_qwen2_copy_last_layer_as_mimo(tmp_path):
+def test_qwen2_copy_last_layer_as_mimo(batch):
     """A model without MTP layers, warm-started with --mtp-init copy_last_layer and exported as
     MiMo: the MTP decoder layer is the last backbone layer, its final norm the model's."""
-    hf_dir = make_hf_model("qwen2", tmp_path / "hf")
-    convert(hf_dir, tmp_path / "megatron", "--mtp-init", "copy_last_layer")
-    exported(["--checkpoint", str(tmp_path / "megatron"), "--format", "mimo", "--target", "sglang",
-              "--out", str(tmp_path / "o")])
-    w = load_dir(tmp_path / "o")
+    root, results = batch
+    ok(results["qwen2_copy/sglang"])
+    w = load_dir(root / "out" / "qwen2_copy_sglang")
     for n in QWEN2_LAYER:
         assert torch.equal(w[f"model.mtp_layers.0.{n}"], w[f"model.layers.1.{n}"]), n
     assert torch.equal(w["model.mtp_layers.0.final_layernorm.weight"], w["model.norm.weight"])
     # tied embeddings: lm_head is written anyway, for vLLM's strict MiMoMTP loader
     assert torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
-
-
-def test_error_two_mtp_layers_for_sglang(tmp_path):
-    hf_dir = make_hf_model("mimo", tmp_path / "hf", num_mtp=2)
-    convert(hf_dir, tmp_path / "megatron")
-    line = _error_line(export(["--checkpoint", str(tmp_path / "megatron"), "--format", "mimo", "--target",
-                               "sglang", "--out", str(tmp_path / "o")]))
-    assert "SGLang's MiMoMTP loads one MTP layer; the checkpoint has 2" in line
-
-
-def test_error_format_family_mismatch(tmp_path):
-    hf_dir = make_hf_model("qwen3", tmp_path / "hf")
-    convert(hf_dir, tmp_path / "megatron")
-    line = _error_line(export(["--checkpoint", str(tmp_path / "megatron"), "--format", "mimo", "--target", "vllm",
-                               "--out", str(tmp_path / "o")]))
-    assert "--format mimo needs a Qwen2-shaped dense model" in line

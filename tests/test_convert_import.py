@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.convert_models import make_hf_model
 from tests.helpers.launch import REPO, run_script
 
@@ -51,13 +52,31 @@ def logits_errors(ckpt, hf_dir, family, layouts, out) -> list[float]:
     return json.loads(out.read_text())["rel_err"]
 
 
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """All families converted in one process (tests/helpers/cli_batch.py), then every
+    family's layouts checked in one 2-rank launch: ``family -> (model dir, rel_err per layout)``."""
+    root = tmp_path_factory.mktemp("import")
+    calls, cases = [], []
+    for family, layouts in LAYOUTS.items():
+        hf_dir = make_hf_model(family, root / family / "hf")
+        ckpt = root / family / "megatron"
+        calls.append({"tool": "convert_from_hf", "argv": ["--hf-dir", str(hf_dir), "--out", str(ckpt),
+                                                          "--max-tensor-parallel", "2", "--no-progress"]})
+        cases.append({"ckpt": str(ckpt), "hf_dir": str(hf_dir), "family": family, "layouts": layouts})
+    for family, proc in zip(LAYOUTS, run_batch(calls, root / "batch")):
+        assert proc.returncode == 0, (family, proc.stderr[-3000:])
+    (root / "cases.json").write_text(json.dumps(cases))
+    run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json")], 2)
+    errors = json.loads((root / "result.json").read_text())["rel_err"]
+    return {family: (root / family, err) for family, err in zip(LAYOUTS, errors)}
+
+
 @pytest.mark.parametrize("family", list(LAYOUTS))
-def test_import_logits_match_transformers(family, tmp_path):
-    hf_dir = make_hf_model(family, tmp_path / "hf")
-    ckpt = tmp_path / "megatron"
-    convert(hf_dir, ckpt)
+def test_import_logits_match_transformers(imported, family):
+    model_dir, errors = imported[family]
+    ckpt = model_dir / "megatron"
     assert (ckpt / "hf" / "tokenizer.json").is_file() and (ckpt / "hf" / "config.json").is_file()
-    errors = logits_errors(ckpt, hf_dir, family, LAYOUTS[family], tmp_path / "result.json")
     assert len(errors) == len(LAYOUTS[family])
     for layout, err in zip(LAYOUTS[family], errors):
         assert err < 1e-4, (layout, err)
@@ -71,11 +90,6 @@ def _error_line(proc) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory):
-    return make_hf_model("qwen2", tmp_path_factory.mktemp("hf_qwen2"))
-
-
 def _copy(src, dst):
     import shutil
 
@@ -83,37 +97,46 @@ def _copy(src, dst):
     return dst
 
 
-def test_error_unknown_architecture(qwen2_dir, tmp_path):
-    d = _copy(qwen2_dir, tmp_path / "hf")
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory):
+    """Broken inputs, each converted once, all in one process: ``name -> result``."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("import_errors")
+    good = make_hf_model("qwen2", root / "good")
+    inputs = {"missing_dir": root / "nowhere"}
+    d = inputs["unknown_arch"] = _copy(good, root / "unknown_arch")
     conf = json.loads((d / "config.json").read_text())
     conf["architectures"] = ["FalconForCausalLM"]
     (d / "config.json").write_text(json.dumps(conf))
-    assert "unknown architecture 'FalconForCausalLM'" in _error_line(run_cli(["--hf-dir", str(d), "--out", str(tmp_path / "o")]))
-
-
-def test_error_missing_files(qwen2_dir, tmp_path):
-    line = _error_line(run_cli(["--hf-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]))
-    assert "not found" in line
-    d = _copy(qwen2_dir, tmp_path / "hf")
+    d = inputs["no_weights"] = _copy(good, root / "no_weights")
     (d / "model.safetensors").unlink()
-    assert "no *.safetensors" in _error_line(run_cli(["--hf-dir", str(d), "--out", str(tmp_path / "o")]))
+    d = inputs["no_config"] = _copy(good, root / "no_config")
     (d / "config.json").unlink()
-    assert "config.json" in _error_line(run_cli(["--hf-dir", str(d), "--out", str(tmp_path / "o")]))
-
-
-def test_error_missing_tensor_and_shape_mismatch(qwen2_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    d = _copy(qwen2_dir, tmp_path / "hf")
+    d = inputs["missing_tensor"] = _copy(good, root / "missing_tensor")
     weights = load_file(str(d / "model.safetensors"))
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, str(d / "model.safetensors"))
-    line = _error_line(run_cli(["--hf-dir", str(d), "--out", str(tmp_path / "o")]))
-    assert "model.layers.1.mlp.up_proj.weight is missing" in line
+    d = inputs["shape_mismatch"] = _copy(good, root / "shape_mismatch")
     conf = json.loads((d / "config.json").read_text())
     conf["num_key_value_heads"] = 4  # the stored k/v projections have 2 heads
     (d / "config.json").write_text(json.dumps(conf))
-    _copy(qwen2_dir, tmp_path / "hf2")
-    (tmp_path / "hf2" / "config.json").write_text(json.dumps(conf))
-    line = _error_line(run_cli(["--hf-dir", str(tmp_path / "hf2"), "--out", str(tmp_path / "o")]))
+    calls = [{"tool": "convert_from_hf", "argv": ["--hf-dir", str(path), "--out", str(root / "out" / name)]}
+             for name, path in inputs.items()]
+    return dict(zip(inputs, run_batch(calls, root / "batch")))
+
+
+def test_error_unknown_architecture(errors):
+    assert "unknown architecture 'FalconForCausalLM'" in _error_line(errors["unknown_arch"])
+
+
+def test_error_missing_files(errors):
+    assert "not found" in _error_line(errors["missing_dir"])
+    assert "no *.safetensors" in _error_line(errors["no_weights"])
+    assert "config.json" in _error_line(errors["no_config"])
+
+
+def test_error_missing_tensor_and_shape_mismatch(errors):
+    assert "model.layers.1.mlp.up_proj.weight is missing" in _error_line(errors["missing_tensor"])
+    line = _error_line(errors["shape_mismatch"])
     assert "shapes do not match config.json" in line or "shape mismatch" in line, line

@@ -4,10 +4,14 @@
         --family qwen2 --out result.json parallel.tensor=1 parallel.tensor=2 \
         parallel.tensor=2,parallel.sequence_parallel=true
 
+    torchrun --nproc_per_node 2 tests/helpers/convert_logits_case.py --spec cases.json --out result.json
+
 Each positional argument is one layout (comma-separated overrides); the process groups and
 the model are rebuilt for each (on 2 ranks, ``parallel.tensor=1`` is TP=1 with DP=2). Rank 0
 writes ``{"rel_err": [max|megatron - hf| / max|hf| per layout]}`` over the backbone logits of
-a fixed random batch (float32).
+a fixed random batch (float32). With ``--spec`` (a JSON list of ``{"ckpt", "hf_dir",
+"family", "layouts"}``), several checkpoints are checked in one launch and ``rel_err`` is
+one such list per case.
 """
 
 from __future__ import annotations
@@ -26,34 +30,52 @@ from bebop_megatron.config import load_config  # noqa: E402  (quiets Megatron's 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--hf-dir", required=True)
-    parser.add_argument("--family", required=True)
+    parser.add_argument("--ckpt")
+    parser.add_argument("--hf-dir")
+    parser.add_argument("--family")
+    parser.add_argument("--spec", help="JSON list of cases, instead of --ckpt/--hf-dir/--family/layouts")
     parser.add_argument("--out", required=True)
-    parser.add_argument("layouts", nargs="+")
+    parser.add_argument("layouts", nargs="*")
     args = parser.parse_args()
     import torch.distributed as dist
+
+    from bebop_megatron.platform import init_distributed
+
+    rank, world = init_distributed("cpu")
+    if args.spec:
+        with open(args.spec) as f:
+            cases = json.load(f)
+        result = {"rel_err": [check(c["ckpt"], c["hf_dir"], c["family"], c["layouts"], rank, world) for c in cases]}
+    else:
+        result = {"rel_err": check(args.ckpt, args.hf_dir, args.family, args.layouts, rank, world),
+                  "layouts": args.layouts}
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+
+
+def check(ckpt: str, hf_dir: str, family: str, layouts: list[str], rank: int, world: int) -> list[float]:
+    """Relative max error of the backbone logits per layout (rank 0; empty elsewhere)."""
     from megatron.core import parallel_state, tensor_parallel
 
     from bebop_megatron.model import build_model
-    from bebop_megatron.platform import init_distributed
     from bebop_megatron.training.checkpoint import load_model_weights
     from bebop_megatron.training.parallel import setup_parallel
     from tests.helpers.convert_models import hf_logits
 
-    rank, world = init_distributed("cpu")
     tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(3))
     pos = torch.arange(12).unsqueeze(0).expand(2, 12)
-    ref = hf_logits(args.hf_dir, args.family, tokens) if rank == 0 else None
+    ref = hf_logits(hf_dir, family, tokens) if rank == 0 else None
     errors = []
-    for layout in args.layouts:
-        cfg = load_config(os.path.join(args.ckpt, "bebop_model.yaml"),
+    for layout in layouts:
+        cfg = load_config(os.path.join(ckpt, "bebop_model.yaml"),
                           ["device=cpu", "save.dir=null", "train.resume=none", "model.transformer_impl=local",
                            *layout.split(",")])
         setup_parallel(cfg, world)
         model = build_model(cfg, "cpu")
         model.eval()
-        load_model_weights(args.ckpt, model, backbone_only=False)
+        load_model_weights(ckpt, model, backbone_only=False)
         with torch.no_grad():
             hidden = model(tokens, pos, None)
             h = torch.chunk(hidden, 1 + cfg.mtp.num_steps, dim=0)[0]
@@ -63,10 +85,7 @@ def main() -> None:
         logits = logits.transpose(0, 1)[..., :96].float()
         if rank == 0:
             errors.append((logits - ref).abs().max().item() / ref.abs().max().item())
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({"rel_err": errors, "layouts": args.layouts}, f)
-    dist.barrier()
+    return errors
 
 
 if __name__ == "__main__":

@@ -1,0 +1,82 @@
+"""Run several invocations of the conversion tools in one Python process.
+
+    python tests/helpers/cli_batch.py calls.json results.json
+
+A tiny conversion takes well under a second; importing torch, Megatron-Core and transformers
+takes several. Tests that need many invocations therefore run them here, one after the other,
+each exactly as the tool's ``__main__`` does (``bebop_megatron.cli.run_cli(main(argv))``),
+with its stdout, stderr and exit status recorded separately.
+
+``calls.json``: ``[{"tool": "convert_to_hf", "argv": [...]}, ...]``;
+``results.json``: ``[{"returncode": int, "stdout": str, "stderr": str}, ...]`` in the same order.
+From a test: :func:`run_batch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _call(tool, argv: list[str]) -> dict:
+    from bebop_megatron.cli import run_cli
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            run_cli(lambda: tool.main(argv))
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        except Exception as exc:  # an unexpected traceback: the test shows it
+            import traceback
+
+            traceback.print_exc(file=err)
+            code = f"uncaught {type(exc).__name__}"
+    return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def run_batch(calls: list[dict], workdir: Path, timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """Run ``calls`` in one subprocess; one ``CompletedProcess``-like result per call."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    calls_file, results_file = workdir / "calls.json", workdir / "results.json"
+    calls_file.write_text(json.dumps(calls))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, __file__, str(calls_file), str(results_file)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(results_file.read_text())
+    return [subprocess.CompletedProcess(c["argv"], r["returncode"], r["stdout"], r["stderr"])
+            for c, r in zip(calls, results)]
+
+
+def main() -> None:
+    calls = json.loads(Path(sys.argv[1]).read_text())
+    sys.path.insert(0, str(REPO))
+    tools: dict = {}
+    results = []
+    for call in calls:
+        if call["tool"] not in tools:
+            tools[call["tool"]] = _tool(call["tool"])
+        results.append(_call(tools[call["tool"]], call["argv"]))
+    Path(sys.argv[2]).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
