@@ -242,7 +242,7 @@ def test_export_from_pp2_tp2_equals_tp1(batch, tmp_path):
 
 def test_errors(batch):
     results = batch[1]
-    assert "not supported yet" in _error_line(results["error/deepseek"])
+    assert "--format deepseek needs a DeepSeek-V3 checkpoint" in _error_line(results["error/deepseek"])
     assert "needs a GLM-4.5 MoE checkpoint" in _error_line(results["error/glm_on_mimo"])
     assert "unknown --format 'eagle'" in _error_line(results["error/format"])
     assert "unknown --target 'trtllm'" in _error_line(results["error/target"])

@@ -77,6 +77,17 @@ def test_import_logits_match_transformers(imported, family):
     model_dir, errors = imported[family]
     ckpt = model_dir / "megatron"
     assert (ckpt / "hf" / "tokenizer.json").is_file() and (ckpt / "hf" / "config.json").is_file()
+    # bebop_model.yaml trains with the tokenizer saved beside the checkpoint: same ids as the source's
+    from transformers import AutoTokenizer
+
+    from bebop_megatron.config import load_config
+    from bebop_megatron.data import load_tokenizer
+
+    cfg = load_config(str(ckpt / "bebop_model.yaml"), ["device=cpu"])
+    assert cfg.data.tokenizer == os.path.abspath(ckpt / "hf")
+    text = "Speculative decoding, 42 times."
+    source = AutoTokenizer.from_pretrained(str(model_dir / "hf")).encode(text, add_special_tokens=False)
+    assert load_tokenizer(cfg).encode(text) == source
     assert len(errors) == len(LAYOUTS[family])
     for layout, err in zip(LAYOUTS[family], errors):
         assert err < 1e-4, (layout, err)

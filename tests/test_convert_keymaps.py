@@ -40,7 +40,7 @@ BASE = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention
 
 @pytest.mark.parametrize("change, message", [
     ({"architectures": ["GPT2LMHeadModel"]}, "unknown architecture 'GPT2LMHeadModel'"),
-    ({"architectures": ["DeepseekV3ForCausalLM"]}, "MLA attention"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "rope_interleave": False}, "rope_interleave=false"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
     ({"hidden_act": "gelu"}, "only SwiGLU"),
     ({"use_sliding_window": True, "sliding_window": 128}, "sliding-window"),

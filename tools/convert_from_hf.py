@@ -3,12 +3,13 @@
     python tools/convert_from_hf.py --hf-dir HF_MODEL_DIR --out checkpoints/backbone \
         [--mtp-num-steps K] [--mtp-init random|copy_last_layer] [--max-tensor-parallel 8]
 
-Families: Llama, Qwen2, Qwen3 (dense), Qwen3-MoE, MiMo and GLM-4.5-style MoE (their MTP
-layers are imported). DeepSeek-V3 (MLA) is refused.
+Families: Llama, Qwen2, Qwen3 (dense), Qwen3-MoE, MiMo, GLM-4.5-style MoE and DeepSeek-V3
+(Multi-Latent Attention, plain RoPE or YaRN; MiMo's, GLM's and DeepSeek's MTP layers are
+imported).
 The checkpoint loads at any TP/PP/EP layout (TP must divide --max-tensor-parallel, which
 sets the vocabulary padding); train with ``model.backbone_checkpoint=OUT`` plus the
 ``model``/``mtp`` sections written to ``OUT/bebop_model.yaml``. The tokenizer and source
-config are copied to ``OUT/hf``. The logic lives in :mod:`bebop_megatron.convert.importer`.
+config are copied to ``OUT/hf``; ``bebop_model.yaml`` then also sets ``data.tokenizer`` to it. The logic lives in :mod:`bebop_megatron.convert.importer`.
 """
 
 import argparse

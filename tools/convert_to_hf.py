@@ -6,6 +6,12 @@ SGLang loads for MTP speculative decoding.
         --format mimo --target vllm --out export/mimo_vllm
     # the draft alone
     python tools/convert_to_hf.py ... --mtp-only --out export/mimo_draft
+    # DeepSeek-V3: the NextN layer as SGLang's DeepseekV3ForCausalLMNextN loads it
+    python tools/convert_to_hf.py --checkpoint checkpoints/run --backbone checkpoints/dsv3 \
+        --format deepseek --target sglang --mtp-only --out export/dsv3_nextn
+
+``--format``: ``mimo`` (MiMo), ``glm4_moe`` (GLM-4.5 NextN) or ``deepseek`` (DeepSeek-V3
+NextN: vLLM's DeepSeekMTP, SGLang's DeepseekV3ForCausalLMNextN).
 
 ``--checkpoint`` is a training checkpoint (``save.dir`` or one ``iter_N``; MTP weights only,
 so ``--backbone`` names the model.backbone_checkpoint) or a full model checkpoint (e.g. from
@@ -25,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint", required=True, help="Megatron checkpoint with the MTP layers")
     p.add_argument("--backbone", default=None, help="Megatron checkpoint with the backbone (default: --checkpoint)")
     p.add_argument("--hf-dir", default=None, help="source HF config.json + tokenizer (default: BACKBONE/hf)")
-    p.add_argument("--format", required=True, help="mimo | glm4_moe (deepseek: refused, not supported yet)")
+    p.add_argument("--format", required=True, help="mimo | glm4_moe | deepseek (DeepSeek-V3)")
     p.add_argument("--target", required=True, help="vllm | sglang")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--mtp-only", action="store_true", help="write the draft (MTP) checkpoint alone")

@@ -137,7 +137,8 @@ def validate(cfg: Config) -> None:
             f"model.num_query_groups={m.num_query_groups} must divide "
             f"model.num_attention_heads={m.num_attention_heads}"
         )
-    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+    _validate_mla(cfg)
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads and not m.multi_latent_attention:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
             f"{m.num_attention_heads}; set model.kv_channels"
@@ -211,6 +212,40 @@ def validate(cfg: Config) -> None:
     from bebop_megatron.config.sources import validate_data  # imports ConfigError from here
 
     validate_data(cfg)
+
+
+def _validate_mla(cfg: Config) -> None:
+    """Multi-Latent Attention fields (DeepSeek-V3)."""
+    m, tp = cfg.model, cfg.parallel.tensor
+    mla_fields = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+    if not m.multi_latent_attention:
+        for name in mla_fields:
+            if getattr(m, name) is not None:
+                raise ConfigError(f"model.{name}={getattr(m, name)} needs model.multi_latent_attention=true")
+        if m.rope_type != "rope":
+            raise ConfigError(f"model.rope_type={m.rope_type!r} needs model.multi_latent_attention=true")
+        return
+    for name in mla_fields[1:]:
+        _positive(getattr(m, name), f"model.{name}")
+    if m.q_lora_rank is not None:
+        _positive(m.q_lora_rank, "model.q_lora_rank")
+    if m.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"model.qk_pos_emb_head_dim={m.qk_pos_emb_head_dim} must be even (RoPE rotates pairs)")
+    if m.num_query_groups != m.num_attention_heads:
+        raise ConfigError(f"model.num_query_groups={m.num_query_groups} must equal model.num_attention_heads="
+                          f"{m.num_attention_heads} with model.multi_latent_attention=true")
+    _choice(m.rope_type, "model.rope_type", ("rope", "yarn"))
+    if m.rope_type == "yarn" and m.yarn_scaling_factor < 1.0:
+        raise ConfigError(f"model.yarn_scaling_factor={m.yarn_scaling_factor} must be >= 1")
+    if m.rotary_percent != 1.0:
+        raise ConfigError(f"model.rotary_percent={m.rotary_percent} must be 1 with model.multi_latent_attention=true "
+                          "(set the rotated width with model.qk_pos_emb_head_dim)")
+    # The local MLA spec splits the down projections' outputs over TP ranks.
+    if m.q_lora_rank is not None and m.q_lora_rank % tp:
+        raise ConfigError(f"parallel.tensor={tp} must divide model.q_lora_rank={m.q_lora_rank}")
+    if (m.kv_lora_rank + m.qk_pos_emb_head_dim) % tp:
+        raise ConfigError(f"parallel.tensor={tp} must divide model.kv_lora_rank + model.qk_pos_emb_head_dim = "
+                          f"{m.kv_lora_rank + m.qk_pos_emb_head_dim}")
 
 
 def _validate_production(cfg: Config) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 @dataclass
 class ModelConfig:
     family: str = "dense"
-    """``dense`` (Llama/Qwen2/Qwen3/MiMo shapes) or ``moe`` (Qwen3-MoE/GLM-4.5 shapes)."""
+    """``dense`` (Llama/Qwen2/Qwen3/MiMo shapes) or ``moe`` (Qwen3-MoE/GLM-4.5/DeepSeek-V3 shapes)."""
     num_layers: int = 4
     """Backbone decoder layers."""
     hidden_size: int = 128
@@ -31,7 +31,8 @@ class ModelConfig:
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-6
     qk_layernorm: bool = False
-    """Per-head RMSNorm on queries and keys (Qwen3)."""
+    """Per-head RMSNorm on queries and keys (Qwen3); with ``multi_latent_attention``, RMSNorm
+    on the query and key/value latents (DeepSeek-V3's ``q_a_layernorm`` / ``kv_a_layernorm``)."""
     add_qkv_bias: bool = False
     """Bias on the fused QKV projection (Qwen2)."""
     tie_embeddings: bool = False
@@ -65,6 +66,35 @@ class ModelConfig:
     """Leading backbone layers with a dense MLP of ``ffn_hidden_size`` (``first_k_dense_replace``)."""
     rotary_percent: float = 1.0
     """Fraction of each head's dimensions rotated by RoPE (GLM-4.5: 0.5; the first ones)."""
+    multi_latent_attention: bool = False
+    """Multi-Latent Attention (DeepSeek-V3) instead of GQA: queries and keys/values projected
+    through low-rank latents; ``num_query_groups`` must equal ``num_attention_heads`` and
+    ``kv_channels`` is ignored (the head widths are the fields below)."""
+    q_lora_rank: Optional[int] = None
+    """MLA: rank of the query latent (``q_lora_rank``); None projects queries directly."""
+    kv_lora_rank: Optional[int] = None
+    """MLA: rank of the key/value latent (``kv_lora_rank``)."""
+    qk_head_dim: Optional[int] = None
+    """MLA: per-head query/key dimensions without RoPE (``qk_nope_head_dim``)."""
+    qk_pos_emb_head_dim: Optional[int] = None
+    """MLA: per-head query/key dimensions rotated by RoPE (``qk_rope_head_dim``; even)."""
+    v_head_dim: Optional[int] = None
+    """MLA: per-head value dimensions (``v_head_dim``)."""
+    rope_type: str = "rope"
+    """MLA only: ``rope`` (plain RoPE) or ``yarn`` (YaRN, DeepSeek-V3's long-context RoPE,
+    with the ``yarn_*`` fields)."""
+    yarn_scaling_factor: float = 1.0
+    """YaRN ``factor``: context extension over ``yarn_original_max_position_embeddings``."""
+    yarn_original_max_position_embeddings: int = 4096
+    """YaRN ``original_max_position_embeddings`` (the pre-extension context)."""
+    yarn_beta_fast: float = 32.0
+    """YaRN ``beta_fast`` (rotations bounding the extrapolated dimensions)."""
+    yarn_beta_slow: float = 1.0
+    """YaRN ``beta_slow`` (rotations bounding the interpolated dimensions)."""
+    yarn_mscale: float = 1.0
+    """YaRN ``mscale``: cos/sin scaled by ``m(factor, mscale) / m(factor, mscale_all_dim)``."""
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN ``mscale_all_dim``: the softmax scale is multiplied by ``m(factor, mscale_all_dim)**2``."""
     transformer_impl: str = "auto"
     """``auto`` (Transformer Engine when importable on CUDA, else local), ``local`` or ``transformer_engine``."""
     freeze_backbone: bool = True

@@ -1,8 +1,8 @@
 """Checkpoint conversion: Hugging Face -> Megatron (import) and Megatron -> vLLM/SGLang (export).
 
 - ``hf_config``: which HF architectures are supported and the model config they map to.
-- ``layers``: the decoder-layer key map (fused QKV and gate/up split and joined).
-- ``formats``: one explicit MTP key map per export format (``mimo``, ``glm4_moe``).
+- ``layers``: the decoder-layer key map (fused QKV and gate/up split and joined; MLA one to one).
+- ``formats``: one explicit MTP key map per export format (``mimo``, ``glm4_moe``, ``deepseek``).
 - ``importer`` / ``exporter``: the two directions; ``verify``: the independent MTP forward.
 
 Conversions run in one process at TP=1: Megatron's distributed checkpointing reshards the

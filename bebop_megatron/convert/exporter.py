@@ -1,5 +1,5 @@
 """Megatron checkpoint (any layout) -> Hugging Face directory for vLLM / SGLang
-(``tools/convert_to_hf.py``).
+(``tools/convert_to_hf.py``); formats ``mimo``, ``glm4_moe`` and ``deepseek`` (DeepSeek-V3).
 
 Full export: backbone and MTP layers in the format's names, ``config.json`` with the MTP
 field set, sharded safetensors with an index, tokenizer files. ``--mtp-only``: the draft
@@ -25,7 +25,7 @@ def export_tensors(sd: dict, hf, fmt, num_mtp: int, target: str, mtp_only: bool)
     V = hf.vocab_size
     emb = sd["embedding.word_embeddings.weight"][:V]
     head = sd["output_layer.weight"][:V] if "output_layer.weight" in sd else emb
-    sglang_nextn = fmt is Glm4Moe and target == "sglang" and mtp_only  # embedding/head from the target
+    sglang_nextn = issubclass(fmt, Glm4Moe) and target == "sglang" and mtp_only  # embedding/head from the target
     out: dict[str, torch.Tensor] = {}
     if not sglang_nextn and (fmt is MiMo or not mtp_only):
         out["model.embed_tokens.weight"] = emb
@@ -161,7 +161,7 @@ def verify_export(out_dir, model, fmt, config, expected, num_mtp, target, mtp_on
         if fmt is MiMo:
             h, ref_logits = verify_mod.mimo_backbone_hidden(written, config, tokens)
         else:
-            h, ref_logits = verify_mod.glm_backbone_hidden(out_dir, config, tokens)
+            h, ref_logits = verify_mod.nextn_backbone_hidden(out_dir, config, tokens, fmt.name)
         result["max_diff_backbone"] = verify_mod.compare("backbone logits", logits[0], ref_logits, tol)
     if fmt is MiMo:
         drafts = verify_mod.mimo_draft_logits(written, config, h, tokens, num_mtp)
@@ -169,8 +169,8 @@ def verify_export(out_dir, model, fmt, config, expected, num_mtp, target, mtp_on
         sd = megatron_io.weights(model)
         emb = sd["embedding.word_embeddings.weight"][:vocab]
         head = sd["output_layer.weight"][:vocab] if "output_layer.weight" in sd else emb
-        drafts = verify_mod.glm_draft_logits(written, config, h, tokens, num_mtp, emb, head,
-                                             sglang_nextn=target == "sglang" and mtp_only)
+        drafts = verify_mod.nextn_draft_logits(written, config, h, tokens, num_mtp, emb, head,
+                                               sglang_nextn=target == "sglang" and mtp_only, fmt_name=fmt.name)
     for k, ref in enumerate(drafts, start=1):
         got = logits[k][:, : ref.shape[1]]
         result[f"max_diff_mtp{k}"] = verify_mod.compare(f"MTP step {k} logits", got, ref, tol)

@@ -158,6 +158,35 @@ def glm_layer_shapes(cfg: dict, p: str, moe: bool) -> dict[str, tuple]:
                     f"{p}self_attn.v_proj.bias": (nkv * d,)})
     if cfg.get("use_qk_norm"):
         out.update({f"{p}self_attn.q_norm.weight": (d,), f"{p}self_attn.k_norm.weight": (d,)})
+    out.update(moe_mlp_shapes(cfg, p, moe))
+    return out
+
+
+def deepseek_layer_shapes(cfg: dict, p: str, moe: bool) -> dict[str, tuple]:
+    """A DeepSeek-V3 decoder layer (MLA) as vLLM/SGLang's ``DeepseekV2DecoderLayer`` loads it."""
+    H, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+    r_q, r_kv = cfg.get("q_lora_rank"), cfg["kv_lora_rank"]
+    a = f"{p}self_attn."
+    out = {f"{p}input_layernorm.weight": (H,), f"{p}post_attention_layernorm.weight": (H,)}
+    if r_q is None:
+        out[f"{a}q_proj.weight"] = (nh * qk, H)
+    else:
+        out.update({f"{a}q_a_proj.weight": (r_q, H), f"{a}q_a_layernorm.weight": (r_q,),
+                    f"{a}q_b_proj.weight": (nh * qk, r_q)})
+    out.update({
+        f"{a}kv_a_proj_with_mqa.weight": (r_kv + cfg["qk_rope_head_dim"], H), f"{a}kv_a_layernorm.weight": (r_kv,),
+        f"{a}kv_b_proj.weight": (nh * (cfg["qk_nope_head_dim"] + cfg["v_head_dim"]), r_kv),
+        f"{a}o_proj.weight": (H, nh * cfg["v_head_dim"]),
+    })
+    out.update(moe_mlp_shapes(cfg, p, moe))
+    return out
+
+
+def moe_mlp_shapes(cfg: dict, p: str, moe: bool) -> dict[str, tuple]:
+    """The MLP of a GLM-4.5 / DeepSeek-V3 layer: dense, or routed experts + shared experts."""
+    H = cfg["hidden_size"]
+    out = {}
     if not moe:
         I = cfg["intermediate_size"]
         out.update({f"{p}mlp.gate_proj.weight": (I, H), f"{p}mlp.up_proj.weight": (I, H),
@@ -182,10 +211,12 @@ class Glm4Moe:
     one layer renamed ``model.layers.0.*`` without embedding and head, ``num_hidden_layers: 1``."""
 
     name = "glm4_moe"
+    label = "a GLM-4.5 MoE"
     architecture = "Glm4MoeForCausalLM"
     nextn_architecture = "Glm4MoeForCausalLMNextN"
     families = ("glm4_moe",)
     backbone_qkv_bias = None  # as the model has them
+    layer_shapes = staticmethod(glm_layer_shapes)
 
     @staticmethod
     def prefix(i: int, num_layers: int, sglang_nextn: bool = False) -> str:
@@ -194,7 +225,7 @@ class Glm4Moe:
     @classmethod
     def check(cls, shape: LayerShape, family: str, num_mtp: int, target: str, mtp_only: bool) -> None:
         if family not in cls.families:
-            raise ConvertError(f"--format glm4_moe needs a GLM-4.5 MoE checkpoint; this checkpoint is {family}")
+            raise ConvertError(f"--format {cls.name} needs {cls.label} checkpoint; this checkpoint is {family}")
         if target == "sglang" and num_mtp > 1:
             raise ConvertError(f"SGLang loads one NextN layer; the checkpoint has {num_mtp} "
                                "(train with mtp.num_layers=1 or export --target vllm)")
@@ -235,7 +266,7 @@ class Glm4Moe:
         nextn = target == "sglang" and mtp_only
         p = cls.prefix(i, cfg["num_hidden_layers"], nextn)
         out = {f"{p}enorm.weight": (H,), f"{p}hnorm.weight": (H,), f"{p}eh_proj.weight": (H, 2 * H),
-               f"{p}shared_head.norm.weight": (H,), **glm_layer_shapes(cfg, p, moe=True)}
+               f"{p}shared_head.norm.weight": (H,), **cls.layer_shapes(cfg, p, moe=True)}
         if not nextn:
             out.update({f"{p}shared_head.head.weight": (V, H), f"{p}embed_tokens.weight": (V, H)})
         return out
@@ -247,7 +278,7 @@ class Glm4Moe:
         if not cfg.get("tie_word_embeddings", False):
             out["lm_head.weight"] = (V, H)
         for i in range(cfg["num_hidden_layers"]):
-            out.update(glm_layer_shapes(cfg, f"model.layers.{i}.", moe=i >= cfg.get("first_k_dense_replace", 0)))
+            out.update(cls.layer_shapes(cfg, f"model.layers.{i}.", moe=i >= cfg.get("first_k_dense_replace", 0)))
         return out
 
     @classmethod
@@ -263,6 +294,29 @@ class Glm4Moe:
         return _serve_nextn(out, target, mtp_only, target_model)
 
 
+class DeepSeek(Glm4Moe):
+    """DeepSeek-V3 NextN: the GLM-4.5 layout above (GLM-4.5 took it from DeepSeek) with MLA
+    attention names in the decoder layer. vLLM: ``DeepSeekMTP`` (absolute indices, head and
+    embedding copies); SGLang: ``DeepseekV3ForCausalLMNextN`` (``model.layers.0.*``)."""
+
+    name = "deepseek"
+    label = "a DeepSeek-V3"
+    architecture = "DeepseekV3ForCausalLM"
+    nextn_architecture = "DeepseekV3ForCausalLMNextN"
+    families = ("deepseek_v3",)
+    layer_shapes = staticmethod(deepseek_layer_shapes)
+
+    @classmethod
+    def hf_config(cls, base: dict, num_mtp: int, target: str, mtp_only: bool) -> dict:
+        cfg = super().hf_config(base, num_mtp, target, mtp_only)
+        # The engines' DeepSeek MoE reads the router kind from these (the published config.json
+        # has them; transformers' DeepseekV3Config does not write them): sigmoid scores with
+        # e_score_correction_bias, as the Megatron model computes.
+        cfg.setdefault("scoring_func", "sigmoid")
+        cfg.setdefault("topk_method", "noaux_tc")
+        return cfg
+
+
 def _serve_nextn(out: str, target: str, mtp_only: bool, target_model: str) -> str:
     if target == "vllm":
         draft = f', "model": "{out}"' if mtp_only else ""
@@ -273,13 +327,11 @@ def _serve_nextn(out: str, target: str, mtp_only: bool, target_model: str) -> st
             "--speculative-num-draft-tokens 4 --speculative-use-rejection-sampling")
 
 
-FORMATS = {"mimo": MiMo, "glm4_moe": Glm4Moe}
+FORMATS = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek": DeepSeek}
 # The format whose names an HF checkpoint of a family stores its MTP layers in (import).
-IMPORT_FORMAT = {"mimo": MiMo, "glm4_moe": Glm4Moe}
-PLANNED = {
-    "deepseek": ("DeepSeek-V3 needs MLA attention, which Megatron-Core 0.19 builds only with Transformer "
-                 "Engine attention; no DeepSeek key map yet"),
-}
+IMPORT_FORMAT = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek_v3": DeepSeek}
+# Formats named in the issue but not implemented yet: refused with this reason.
+PLANNED: dict[str, str] = {}
 
 
 def get_format(name: str):

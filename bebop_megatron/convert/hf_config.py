@@ -18,12 +18,13 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MiMoForCausalLM": "mimo",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Named in the issue but not implemented yet: refused with this reason.
-NOT_YET = {
-    "DeepseekV3ForCausalLM": ("DeepSeek-V3 needs MLA attention, which Megatron-Core 0.19 builds only with "
-                              "Transformer Engine attention (its local attention refuses MLA's head dims)"),
-}
+NOT_YET: dict[str, str] = {}
+# Families with DeepSeek/GLM-style MoE: sigmoid router with e_score_correction_bias, group-limited
+# routing, routed_scaling_factor, shared experts, leading dense layers, NextN MTP layers.
+NEXTN_MOE = ("glm4_moe", "deepseek_v3")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,6 +43,16 @@ class LayerShape:
     moe_ffn_hidden_size: int = 0
     shared_ffn_hidden_size: int = 0  # shared expert(s) width; 0: none
     expert_bias: bool = False  # router's e_score_correction_bias (GLM / DeepSeek)
+    # Multi-Latent Attention (DeepSeek-V3); kv_lora_rank 0: GQA attention
+    q_lora_rank: int | None = None  # None: queries projected directly (q_proj)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
 
 @dataclass
@@ -78,22 +89,67 @@ def read_config(hf_dir: str) -> dict:
             raise ConvertError(f"{path} is not valid JSON: {err}") from None
 
 
-def _rope(cfg: dict) -> tuple[float, float]:
-    """(theta, fraction of head dims rotated); only unscaled RoPE."""
+def _rope_scaling(cfg: dict) -> tuple[str, dict]:
+    """(rope type, its parameters) from ``rope_parameters`` (transformers 5) or ``rope_scaling``."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise ConvertError(f"rope type {rope_type!r} is not supported yet (only unscaled RoPE)")
+    return rope_type, {**scaling, **params}
+
+
+def _rope(cfg: dict) -> tuple[float, float]:
+    """(theta, fraction of head dims rotated); only unscaled RoPE (DeepSeek-V3: YaRN, see _yarn)."""
+    params = cfg.get("rope_parameters") or {}
+    rope_type = _rope_scaling(cfg)[0]
+    if rope_type != "default" and not (rope_type == "yarn" and ARCHITECTURES.get(_arch(cfg)) == "deepseek_v3"):
+        raise ConvertError(f"rope type {rope_type!r} is not supported yet (only unscaled RoPE; YaRN for DeepSeek-V3)")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     return float(theta), float(partial)
 
 
+def _arch(cfg: dict):
+    archs = cfg.get("architectures") or []
+    return archs[0] if archs else None
+
+
+def _yarn(cfg: dict) -> dict:
+    """DeepSeek-V3's YaRN RoPE as ``ModelConfig`` fields (Megatron's MLA YaRN computes the same
+    frequencies, cos/sin factor and softmax scale as transformers' for these parameters)."""
+    rope_type, p = _rope_scaling(cfg)
+    if rope_type == "default":
+        return {"rope_type": "rope"}
+    if p.get("attention_factor") is not None or p.get("truncate", True) is not True:
+        raise ConvertError("YaRN with attention_factor or truncate=false is not supported (Megatron's YaRN has "
+                           "neither option)")
+    factor = p.get("factor")
+    orig = p.get("original_max_position_embeddings")
+    if orig is None:
+        raise ConvertError("YaRN rope_scaling without original_max_position_embeddings is not supported")
+    if factor is None:
+        factor = cfg["max_position_embeddings"] / orig
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        # transformers then scales cos/sin by m(factor, 1) and the softmax by m(factor, mscale_all_dim)**2;
+        # Megatron by m(factor, mscale) / m(factor, mscale_all_dim) and m(factor, mscale_all_dim)**2.
+        if mscale_all_dim:
+            raise ConvertError("YaRN with mscale_all_dim but no mscale is not supported (Megatron's YaRN would "
+                               "scale cos/sin differently from transformers')")
+        mscale, mscale_all_dim = 1.0, 0.0
+    return {
+        "rope_type": "yarn",
+        "yarn_scaling_factor": float(factor),
+        "yarn_original_max_position_embeddings": int(orig),
+        "yarn_beta_fast": float(p.get("beta_fast") or 32),
+        "yarn_beta_slow": float(p.get("beta_slow") or 1),
+        "yarn_mscale": float(mscale),
+        "yarn_mscale_all_dim": float(mscale_all_dim),
+    }
+
+
 def describe(cfg: dict) -> HFModel:
     """Parse and check a config; one clear error for anything the key maps cannot represent."""
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = _arch(cfg)
     if arch in NOT_YET:
         raise ConvertError(f"architecture {arch} is not supported yet: {NOT_YET[arch]}")
     if arch not in ARCHITECTURES:
@@ -101,6 +157,10 @@ def describe(cfg: dict) -> HFModel:
             f"unknown architecture {arch!r} in config.json (supported: {', '.join(sorted(ARCHITECTURES))})"
         )
     family = ARCHITECTURES[arch]
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
+        raise ConvertError(f"quantized checkpoint (quantization_config, {method}) is not supported: convert the "
+                           "weights to bf16 first (e.g. DeepSeek's FP8 release)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConvertError(f"hidden_act={cfg['hidden_act']!r}: only SwiGLU (silu) MLPs are supported")
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
@@ -109,6 +169,16 @@ def describe(cfg: dict) -> HFModel:
         raise ConvertError("Llama with attention_bias or mlp_bias is not supported (biases on o_proj/MLP)")
     if family in ("qwen3", "qwen3_moe") and cfg.get("attention_bias"):
         raise ConvertError("Qwen3 with attention_bias=true is not supported")
+    if family == "deepseek_v3":
+        if cfg.get("attention_bias"):
+            raise ConvertError("DeepSeek-V3 with attention_bias=true is not supported (biases on the MLA projections)")
+        if cfg.get("rope_interleave", True) is False:
+            raise ConvertError("DeepSeek-V3 with rope_interleave=false is not supported (Megatron's MLA rotates "
+                               "interleaved pairs, as the published checkpoints store them)")
+        if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ConvertError(f"DeepSeek-V3 with scoring_func={cfg.get('scoring_func')!r} / topk_method="
+                               f"{cfg.get('topk_method')!r} is not supported (only sigmoid / noaux_tc)")
+        _yarn(cfg)  # refuse unsupported YaRN parameters early
     if family != "glm4_moe" and _rope(cfg)[1] != 1.0:
         raise ConvertError("partial_rotary_factor != 1 is only supported for GLM-4.5")
     heads = cfg["num_attention_heads"]
@@ -120,14 +190,14 @@ def describe(cfg: dict) -> HFModel:
         if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
             raise ConvertError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) is not supported")
     shared_ffn, first_dense = 0, 0
-    if family == "glm4_moe":
+    if family in NEXTN_MOE:
         num_experts = cfg["n_routed_experts"]
         moe_ffn = cfg["moe_intermediate_size"]
         shared_ffn = moe_ffn * cfg.get("n_shared_experts", 0)
         first_dense = cfg.get("first_k_dense_replace", 0)
         topk, groups, group_topk = cfg["num_experts_per_tok"], cfg.get("n_group", 1), cfg.get("topk_group", 1)
         if topk > 1 and not cfg.get("norm_topk_prob", True):
-            raise ConvertError("GLM-4.5 with norm_topk_prob=false is not supported (Megatron renormalises sigmoid top-k)")
+            raise ConvertError(f"{arch} with norm_topk_prob=false is not supported (Megatron renormalises sigmoid top-k)")
         if groups > 1 and topk // group_topk != 2:
             raise ConvertError(f"n_group={groups}: Megatron scores a group by its top-{topk // group_topk} experts, "
                                "GLM/DeepSeek by the top-2; need num_experts_per_tok / topk_group == 2")
@@ -142,8 +212,12 @@ def describe(cfg: dict) -> HFModel:
         num_experts=num_experts,
         moe_ffn_hidden_size=moe_ffn,
         shared_ffn_hidden_size=shared_ffn,
-        expert_bias=family == "glm4_moe",
+        expert_bias=family in NEXTN_MOE,
     )
+    if family == "deepseek_v3":
+        layer = replace(layer, num_kv_heads=heads, q_lora_rank=cfg.get("q_lora_rank"),
+                        kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                        qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"])
     dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return HFModel(
         family=family,
@@ -196,7 +270,7 @@ def model_overrides(hf: HFModel, vocab_rows: int, divisible_by: int) -> dict:
             # Megatron: top-k of the logits then softmax (= renormalised), or softmax first.
             moe_router_pre_softmax=not c.get("norm_topk_prob", False),
         )
-    if hf.family == "glm4_moe":
+    if hf.family in NEXTN_MOE:
         groups = c.get("n_group", 1)
         out.update(
             moe_router_pre_softmax=False,
@@ -207,5 +281,19 @@ def model_overrides(hf: HFModel, vocab_rows: int, divisible_by: int) -> dict:
             moe_router_group_topk=c.get("topk_group") if groups > 1 else None,
             moe_router_topk_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
             moe_first_dense_layers=hf.first_dense_layers,
+        )
+    if layer.mla:
+        out.update(
+            num_query_groups=layer.num_heads,
+            kv_channels=layer.v_head_dim,
+            qk_layernorm=True,  # q_a_layernorm / kv_a_layernorm
+            rotary_percent=1.0,
+            multi_latent_attention=True,
+            q_lora_rank=layer.q_lora_rank,
+            kv_lora_rank=layer.kv_lora_rank,
+            qk_head_dim=layer.qk_nope_head_dim,
+            qk_pos_emb_head_dim=layer.qk_rope_head_dim,
+            v_head_dim=layer.v_head_dim,
+            **_yarn(c),
         )
     return out

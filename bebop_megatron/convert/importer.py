@@ -1,8 +1,9 @@
 """Hugging Face directory -> Megatron distributed checkpoint (``tools/convert_from_hf.py``).
 
 Written next to the checkpoint: ``hf/`` (the source ``config.json`` and tokenizer files;
-``data.tokenizer`` can point at it, ``tools/convert_to_hf.py`` reads it) and
-``bebop_model.yaml`` (the ``model:`` and ``mtp:`` sections a training config needs).
+``data.tokenizer`` points at it, ``tools/convert_to_hf.py`` reads it) and
+``bebop_model.yaml`` (the ``model:`` and ``mtp:`` sections a training config needs, and
+``data.tokenizer`` when the source has tokenizer files).
 """
 
 from __future__ import annotations
@@ -116,11 +117,14 @@ def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = No
     os.makedirs(hf_out, exist_ok=True)
     write_json(os.path.join(hf_out, "config.json"), hf.config)
     copied = copy_tokenizer(hf_dir, hf_out)
+    if copied:  # training on real data then tokenizes with the model's own tokenizer
+        sections["data"] = {"tokenizer": os.path.abspath(hf_out)}
     with open(os.path.join(out_dir, "bebop_model.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create(sections)))
     mtp_from = "imported" if hf.num_mtp_layers else ("copied from the last layer" if mtp_init != "random" else "random")
     log(f"wrote {out_dir}: {hf.family}, {hf.num_layers} layers, vocabulary {hf.vocab_size} -> {rows} rows, "
         f"{num_mtp} MTP layer(s) ({mtp_from}); tokenizer files: {', '.join(copied) or 'none found'}")
     log(f"train with: model.backbone_checkpoint={out_dir} (or model.init_checkpoint to keep its MTP weights) "
-        f"and the model/mtp sections of {os.path.join(out_dir, 'bebop_model.yaml')}")
+        f"and the model/mtp{'/data.tokenizer' if copied else ''} settings of "
+        f"{os.path.join(out_dir, 'bebop_model.yaml')}")
     return sections

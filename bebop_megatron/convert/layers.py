@@ -6,6 +6,15 @@ Megatron fuses Q, K and V into ``linear_qkv`` grouped per key/value head: for ea
 HF names are those of Llama/Qwen2/Qwen3 (``self_attn.{q,k,v,o}_proj``,
 ``mlp.{gate,up,down}_proj``), Qwen3-MoE (``mlp.gate``, ``mlp.experts.{j}.*``) and GLM-4.5
 (plus ``mlp.gate.e_score_correction_bias`` and ``mlp.shared_experts.*``).
+
+DeepSeek-V3's Multi-Latent Attention maps one to one, without reordering:
+``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (or ``q_proj``) -> ``linear_q_down_proj`` /
+``q_layernorm`` / ``linear_q_up_proj`` (or ``linear_q_proj``); ``kv_a_proj_with_mqa`` /
+``kv_a_layernorm`` / ``kv_b_proj`` -> ``linear_kv_down_proj`` / ``kv_layernorm`` /
+``linear_kv_up_proj``; ``o_proj`` -> ``linear_proj``. Both lay each query head out as
+``[nope; rope]``, the key/value latent as ``[latent; rope]`` and each up-projected key/value
+head as ``[nope; v]``, and both rotate the rope dimensions as interleaved pairs
+(transformers' ``rope_interleave=True``, Megatron's ``mla_rotary_interleaved``).
 """
 
 from __future__ import annotations
@@ -50,6 +59,25 @@ def _mlp_to_hf(sd: dict, meg: str, hf: str) -> dict:
     }
 
 
+# Multi-Latent Attention: Megatron name (under ``self_attention.``) -> HF name (under ``self_attn.``).
+MLA_NAMES = {
+    "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight",
+    "kv_layernorm.weight": "kv_a_layernorm.weight",
+    "linear_kv_up_proj.weight": "kv_b_proj.weight",
+    "linear_proj.weight": "o_proj.weight",
+}
+MLA_Q_LORA_NAMES = {
+    "linear_q_down_proj.weight": "q_a_proj.weight",
+    "q_layernorm.weight": "q_a_layernorm.weight",
+    "linear_q_up_proj.weight": "q_b_proj.weight",
+}
+MLA_Q_NAMES = {"linear_q_proj.weight": "q_proj.weight"}
+
+
+def mla_names(shape: LayerShape) -> dict[str, str]:
+    return {**(MLA_Q_LORA_NAMES if shape.q_lora_rank is not None else MLA_Q_NAMES), **MLA_NAMES}
+
+
 def layer_to_megatron(get, hf: str, meg: str, shape: LayerShape) -> dict:
     """One decoder layer: ``get(hf_name)`` returns an HF tensor; returns Megatron tensors.
 
@@ -58,16 +86,19 @@ def layer_to_megatron(get, hf: str, meg: str, shape: LayerShape) -> dict:
     out = {
         f"{meg}input_layernorm.weight": get(f"{hf}input_layernorm.weight"),
         f"{meg}pre_mlp_layernorm.weight": get(f"{hf}post_attention_layernorm.weight"),
-        f"{meg}self_attention.linear_qkv.weight": fuse_qkv(
-            get(f"{hf}self_attn.q_proj.weight"), get(f"{hf}self_attn.k_proj.weight"),
-            get(f"{hf}self_attn.v_proj.weight"), shape),
-        f"{meg}self_attention.linear_proj.weight": get(f"{hf}self_attn.o_proj.weight"),
     }
+    if shape.mla:
+        out.update({f"{meg}self_attention.{m}": get(f"{hf}self_attn.{h}") for m, h in mla_names(shape).items()})
+    else:
+        out[f"{meg}self_attention.linear_qkv.weight"] = fuse_qkv(
+            get(f"{hf}self_attn.q_proj.weight"), get(f"{hf}self_attn.k_proj.weight"),
+            get(f"{hf}self_attn.v_proj.weight"), shape)
+        out[f"{meg}self_attention.linear_proj.weight"] = get(f"{hf}self_attn.o_proj.weight")
     if shape.qkv_bias:
         out[f"{meg}self_attention.linear_qkv.bias"] = fuse_qkv(
             get(f"{hf}self_attn.q_proj.bias"), get(f"{hf}self_attn.k_proj.bias"),
             get(f"{hf}self_attn.v_proj.bias"), shape)
-    if shape.qk_norm:
+    if shape.qk_norm and not shape.mla:
         out[f"{meg}self_attention.q_layernorm.weight"] = get(f"{hf}self_attn.q_norm.weight")
         out[f"{meg}self_attention.k_layernorm.weight"] = get(f"{hf}self_attn.k_norm.weight")
     if shape.num_experts:
@@ -86,15 +117,21 @@ def layer_to_megatron(get, hf: str, meg: str, shape: LayerShape) -> dict:
 def layer_to_hf(sd: dict, meg: str, hf: str, shape: LayerShape, qkv_bias: bool | None = None) -> dict:
     """Inverse of :func:`layer_to_megatron`. ``qkv_bias=True`` on a model without biases
     writes zero biases (formats whose engine layer always has them, e.g. MiMo's Qwen2 layer)."""
-    q, k, v = split_qkv(sd[f"{meg}self_attention.linear_qkv.weight"], shape)
     out = {
         f"{hf}input_layernorm.weight": sd[f"{meg}input_layernorm.weight"],
         f"{hf}post_attention_layernorm.weight": sd[f"{meg}pre_mlp_layernorm.weight"],
+    }
+    if shape.mla:
+        out.update({f"{hf}self_attn.{h}": sd[f"{meg}self_attention.{m}"] for m, h in mla_names(shape).items()})
+        out.update(_mlp_layer_to_hf(sd, meg, hf, shape))
+        return out
+    q, k, v = split_qkv(sd[f"{meg}self_attention.linear_qkv.weight"], shape)
+    out.update({
         f"{hf}self_attn.q_proj.weight": q,
         f"{hf}self_attn.k_proj.weight": k,
         f"{hf}self_attn.v_proj.weight": v,
         f"{hf}self_attn.o_proj.weight": sd[f"{meg}self_attention.linear_proj.weight"],
-    }
+    })
     want_bias = shape.qkv_bias if qkv_bias is None else qkv_bias
     if want_bias:
         bias = sd.get(f"{meg}self_attention.linear_qkv.bias")
@@ -108,6 +145,12 @@ def layer_to_hf(sd: dict, meg: str, hf: str, shape: LayerShape, qkv_bias: bool |
     if shape.qk_norm:
         out[f"{hf}self_attn.q_norm.weight"] = sd[f"{meg}self_attention.q_layernorm.weight"]
         out[f"{hf}self_attn.k_norm.weight"] = sd[f"{meg}self_attention.k_layernorm.weight"]
+    out.update(_mlp_layer_to_hf(sd, meg, hf, shape))
+    return out
+
+
+def _mlp_layer_to_hf(sd: dict, meg: str, hf: str, shape: LayerShape) -> dict:
+    out = {}
     if shape.num_experts:
         out[f"{hf}mlp.gate.weight"] = sd[f"{meg}mlp.router.weight"]
         if shape.expert_bias:

@@ -106,28 +106,55 @@ def mimo_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens
     return out
 
 
-def glm_config(cfg: dict):
-    from transformers import Glm4MoeConfig
+# NextN families (``formats.Glm4Moe`` and its subclasses): transformers' classes per format.
+NEXTN_CLASSES = {
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", "transformers.models.glm4_moe.modeling_glm4_moe",
+                 "Glm4Moe"),
+    "deepseek": ("DeepseekV3Config", "DeepseekV3ForCausalLM", "transformers.models.deepseek_v3.modeling_deepseek_v3",
+                 "DeepseekV3"),
+}
 
-    gcfg = Glm4MoeConfig(**{k: v for k, v in cfg.items() if k not in DROP})
+
+def _nextn_class(fmt_name: str, what: str):
+    import importlib
+
+    config_cls, causal_cls, module, prefix = NEXTN_CLASSES[fmt_name]
+    if what == "config":
+        return getattr(importlib.import_module("transformers"), config_cls)
+    if what == "causal_lm":
+        return getattr(importlib.import_module("transformers"), causal_cls)
+    return getattr(importlib.import_module(module), prefix + what)
+
+
+def nextn_config(cfg: dict, fmt_name: str = "glm4_moe"):
+    gcfg = _nextn_class(fmt_name, "config")(**{k: v for k, v in cfg.items() if k not in DROP})
     gcfg._attn_implementation = "eager"
     return gcfg
 
 
+def glm_config(cfg: dict):
+    return nextn_config(cfg, "glm4_moe")
+
+
 @torch.no_grad()
-def glm_backbone_hidden(out_dir: str, cfg: dict, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' GLM-4.5 model loaded from the written directory: (final hidden, logits)."""
-    from transformers import Glm4MoeForCausalLM
+def nextn_backbone_hidden(out_dir: str, cfg: dict, tokens_BS: torch.Tensor,
+                          fmt_name: str = "glm4_moe") -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' GLM-4.5 / DeepSeek-V3 model loaded from the written directory: (final hidden, logits)."""
     from transformers.utils import logging
 
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()  # the NextN layers are "unexpected" for the backbone class
     try:
-        model = Glm4MoeForCausalLM.from_pretrained(out_dir, config=glm_config(cfg), dtype=torch.float32).eval()
+        model = _nextn_class(fmt_name, "causal_lm").from_pretrained(
+            out_dir, config=nextn_config(cfg, fmt_name), dtype=torch.float32).eval()
     finally:
         logging.set_verbosity(verbosity)
     hidden = model.model(tokens_BS).last_hidden_state
     return hidden, model.lm_head(hidden)
+
+
+def glm_backbone_hidden(out_dir: str, cfg: dict, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return nextn_backbone_hidden(out_dir, cfg, tokens_BS, "glm4_moe")
 
 
 def _fused_experts(sd: dict, num_experts: int) -> dict:
@@ -142,23 +169,22 @@ def _fused_experts(sd: dict, num_experts: int) -> dict:
 
 
 @torch.no_grad()
-def glm_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor, num_mtp: int,
-                     emb=None, head=None, sglang_nextn: bool = False) -> list[torch.Tensor]:
-    """GLM-4.5 NextN chain: ``eh_proj(cat(enorm(emb), hnorm(h)))``, a GLM-4.5 MoE decoder layer,
-    ``shared_head.norm``, ``shared_head.head``. ``emb``/``head``: the target's, for a draft
-    that does not carry them (SGLang's NextN layout)."""
-    from transformers.models.glm4_moe.modeling_glm4_moe import (
-        Glm4MoeDecoderLayer, Glm4MoeRMSNorm, Glm4MoeRotaryEmbedding)
-
-    gcfg = glm_config(cfg)
+def nextn_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor, num_mtp: int,
+                       emb=None, head=None, sglang_nextn: bool = False, fmt_name: str = "glm4_moe") -> list[torch.Tensor]:
+    """GLM-4.5 / DeepSeek-V3 NextN chain: ``eh_proj(cat(enorm(emb), hnorm(h)))``, the family's MoE
+    decoder layer (transformers' class: GQA for GLM-4.5, MLA for DeepSeek-V3), ``shared_head.norm``,
+    ``shared_head.head``. ``emb``/``head``: the target's, for a draft that does not carry them
+    (SGLang's NextN layout)."""
+    gcfg = nextn_config(cfg, fmt_name)
+    DecoderLayer, RMSNorm = _nextn_class(fmt_name, "DecoderLayer"), _nextn_class(fmt_name, "RMSNorm")
     eps, N = gcfg.rms_norm_eps, cfg["num_hidden_layers"]
 
     def norm(w):
-        n = Glm4MoeRMSNorm(w.shape[0], eps=eps)
+        n = RMSNorm(w.shape[0], eps=eps)
         n.weight.data.copy_(w.float())
         return n
 
-    rotary = Glm4MoeRotaryEmbedding(config=gcfg)
+    rotary = _nextn_class(fmt_name, "RotaryEmbedding")(config=gcfg)
     B, S = tokens_BS.shape
     h = hidden_BSH.float()
     out = []
@@ -171,7 +197,7 @@ def glm_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_
         e = F.embedding(tokens_BS[:, k:k + L], E)
         x = torch.cat([norm(tensors[p + "enorm.weight"])(e), norm(tensors[p + "hnorm.weight"])(h[:, :L])], dim=-1)
         x = x @ tensors[p + "eh_proj.weight"].float().T
-        layer = Glm4MoeDecoderLayer(gcfg, layer_idx=max(gcfg.first_k_dense_replace, N)).float().eval()
+        layer = DecoderLayer(gcfg, layer_idx=max(gcfg.first_k_dense_replace, N)).float().eval()
         sd = {n[len(p):]: v.float() for n, v in tensors.items() if n.startswith(p) and not n[len(p):].startswith(own)}
         layer.load_state_dict(_fused_experts(sd, gcfg.n_routed_experts), strict=True)
         pos = torch.arange(L).unsqueeze(0).expand(B, L)
@@ -180,6 +206,11 @@ def glm_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_
         h = norm(tensors[p + "shared_head.norm.weight"])(y)
         out.append(h @ W.T)
     return out
+
+
+def glm_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor, num_mtp: int,
+                     emb=None, head=None, sglang_nextn: bool = False) -> list[torch.Tensor]:
+    return nextn_draft_logits(tensors, cfg, hidden_BSH, tokens_BS, num_mtp, emb, head, sglang_nextn, "glm4_moe")
 
 
 def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> float:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from bebop_megatron.config import Config
 from bebop_megatron.model import specs
@@ -158,7 +158,42 @@ def transformer_config(cfg: Config, device: str, use_te: bool) -> TransformerCon
             moe_layer_freq=([0] * m.moe_first_dense_layers + [1] * (m.num_layers - m.moe_first_dense_layers)
                             if m.moe_first_dense_layers else 1),
         )
+    if m.multi_latent_attention:
+        kwargs.update(mla_transformer_settings(m))
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def mla_transformer_settings(m) -> dict:
+    """The ``MLATransformerConfig`` fields of a Multi-Latent Attention model (DeepSeek-V3)."""
+    out = dict(
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_head_dim,
+        qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+        v_head_dim=m.v_head_dim,
+        # DotProductAttention's output width is per value head (see model/attention.py).
+        kv_channels=m.v_head_dim,
+        num_query_groups=m.num_attention_heads,
+        rope_type=m.rope_type,
+        rotary_base=m.rotary_base,
+        rotary_percent=m.rotary_percent,
+        # Megatron's MLA scales the softmax by m(factor, mscale_all_dim)**2 for both RoPE types:
+        # neutral values unless YaRN is on.
+        rotary_scaling_factor=1.0,
+        mscale=1.0,
+        mscale_all_dim=0.0,
+    )
+    if m.rope_type == "yarn":
+        out.update(
+            rotary_scaling_factor=m.yarn_scaling_factor,
+            original_max_position_embeddings=m.yarn_original_max_position_embeddings,
+            beta_fast=m.yarn_beta_fast,
+            beta_slow=m.yarn_beta_slow,
+            mscale=m.yarn_mscale,
+            mscale_all_dim=m.yarn_mscale_all_dim,
+        )
+    return out
 
 
 def build_model(cfg: Config, device: str, pg_collection=None) -> MTPGPTModel:
@@ -166,10 +201,11 @@ def build_model(cfg: Config, device: str, pg_collection=None) -> MTPGPTModel:
     use_te = use_transformer_engine(cfg, device)
     tconfig = transformer_config(cfg, device, use_te)
     num_experts = cfg.model.num_experts if cfg.model.family == "moe" else None
-    layer = specs.layer_spec(num_experts, cfg.model.qk_layernorm, use_te)
+    mla = cfg.model.multi_latent_attention
+    layer = specs.layer_spec(num_experts, cfg.model.qk_layernorm, use_te, mla)
     mtp_spec = specs.mtp_block_spec(tconfig, layer, use_te)
     num_dense = cfg.model.moe_first_dense_layers if num_experts else 0
-    dense = specs.layer_spec(None, cfg.model.qk_layernorm, use_te) if num_dense else None
+    dense = specs.layer_spec(None, cfg.model.qk_layernorm, use_te, mla) if num_dense else None
     model = MTPGPTModel(
         config=tconfig,
         transformer_layer_spec=specs.decoder_block_spec(tconfig, layer, use_te, dense, num_dense),

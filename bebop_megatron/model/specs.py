@@ -2,8 +2,10 @@
 
 Two families: ``dense`` (GQA attention, SwiGLU MLP, RMSNorm, optional qk-norm and qkv
 bias: Llama / Qwen2 / Qwen3 / MiMo shapes) and ``moe`` (the same attention with routed and
-shared experts: Qwen3-MoE / GLM-4.5 shapes). The MTP layer reuses the family's layer
-spec (``get_gpt_mtp_block_spec``), so an MoE model gets expert-parallel MoE MTP layers.
+shared experts: Qwen3-MoE / GLM-4.5 shapes). Either attention can be Multi-Latent
+Attention instead (``model.multi_latent_attention``: DeepSeek-V3 shapes). The MTP layer
+reuses the family's layer spec (``get_gpt_mtp_block_spec``), so an MoE model gets
+expert-parallel MoE MTP layers.
 
 Backends: ``local`` (Megatron-Core modules only, with an SP-aware torch norm; CPU and GPU)
 and ``transformer_engine`` (Megatron-Core's TE spec; needed for FP8).
@@ -11,8 +13,11 @@ and ``transformer_engine`` (Megatron-Core's TE spec; needed for FP8).
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_submodules,
     get_gpt_layer_with_transformer_engine_spec,
     get_gpt_mtp_block_spec_for_backend,
     get_mlp_module_spec_for_backend,
@@ -29,6 +34,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from bebop_megatron.model.attention import MLADotProductAttention
 from bebop_megatron.model.norms import SPAwareNorm, qk_norm
 
 
@@ -61,20 +67,63 @@ def local_layer_spec(num_experts: int | None, qk_layernorm: bool) -> ModuleSpec:
             pre_mlp_layernorm=backend.layer_norm(),
             mlp=get_mlp_module_spec_for_backend(backend=backend, num_experts=num_experts),
             mlp_bda=get_bias_dropout_add,
-            # Same checkpoint keys as the TE spec, so checkpoints move between backends.
+            # Same checkpoint keys as the TE spec, so checkpoints move between backends: TE
+            # fuses the input norm into linear_qkv and a dense layer's pre-MLP norm into
+            # linear_fc1; an MoE layer keeps its own pre_mlp_layernorm.
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+                **({} if num_experts else {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}),
             },
         ),
     )
 
 
-def layer_spec(num_experts: int | None, qk_layernorm: bool, use_te: bool) -> ModuleSpec:
+def local_mla_layer_spec(num_experts: int | None, qk_layernorm: bool) -> ModuleSpec:
+    """The MLA decoder layer (DeepSeek-V3) with Megatron-Core's local modules.
+
+    Megatron's own local MLA spec, with three swaps: the core attention accepts MLA's
+    separate key and value head widths (:class:`MLADotProductAttention`), and the layer
+    norms and the query/key-value latent norms are the SP-aware norm (the latent norms act
+    on sequence-parallel shards under SP, so their weights are tagged like the layer norms).
+    """
+    sub = get_gpt_layer_local_submodules(num_experts=num_experts, qk_layernorm=qk_layernorm,
+                                         multi_latent_attention=True, normalization="RMSNorm")
+    attn = sub.self_attention
+    attn_sub = dataclasses.replace(
+        attn.submodules,
+        core_attention=MLADotProductAttention,
+        q_layernorm=SPAwareNorm if qk_layernorm else IdentityOp,
+        kv_layernorm=SPAwareNorm if qk_layernorm else IdentityOp,
+    )
+    # Same checkpoint keys as the Transformer Engine MLA spec (latent norms fused into the
+    # up projections; a dense layer's pre-MLP norm fused into linear_fc1).
+    keys_map = {
+        "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+        "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+    }
+    if num_experts is None:
+        keys_map["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=dataclasses.replace(
+            sub,
+            input_layernorm=SPAwareNorm,
+            pre_mlp_layernorm=SPAwareNorm,
+            self_attention=ModuleSpec(module=attn.module, params=attn.params, submodules=attn_sub),
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def layer_spec(num_experts: int | None, qk_layernorm: bool, use_te: bool,
+               multi_latent_attention: bool = False) -> ModuleSpec:
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm
+            num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention,
         )
+    if multi_latent_attention:
+        return local_mla_layer_spec(num_experts, qk_layernorm)
     return local_layer_spec(num_experts, qk_layernorm)
 
 

@@ -18,6 +18,10 @@ FLOPs are (per token; a matmul [m, k] x [k, n] counts 2mkn):
     attention        = 2 H (n_q d + 2 n_kv d) + 2 n_q d H + 4 S n_q d
                        (QKV and output projections; QK^T and AV over the full S x S matrix,
                         the usual convention, although a causal kernel does about half)
+    attention (MLA)  = 2 H r_q + 2 r_q n_q (d_qk + d_r) + 2 H (r_kv + d_r) + 2 r_kv n_q (d_qk + d_v)
+                       + 2 n_q d_v H + 2 S n_q (d_qk + d_r + d_v)
+                       (Multi-Latent Attention, DeepSeek-V3: query latent r_q, or 2 H n_q (d_qk + d_r)
+                        without one; key/value latent r_kv, head widths d_qk + d_r rope, d_v value)
 
 with H hidden, F FFN width, V padded vocabulary, S sequence length, d head dimension, n_q/n_kv
 query/key-value heads, E experts, K MTP steps. Norms, activations, the router's softmax and
@@ -45,6 +49,11 @@ def layer_flops_per_token(cfg: Config, dense: bool = False) -> float:
     d = m.kv_channels or H // m.num_attention_heads
     nq, nkv = m.num_attention_heads, m.num_query_groups
     attention = 2 * H * (nq * d + 2 * nkv * d) + 2 * nq * d * H + 4 * S * nq * d
+    if m.multi_latent_attention:
+        dq, dr, dv, rq, rkv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.q_lora_rank, m.kv_lora_rank
+        q = 2 * H * rq + 2 * rq * nq * (dq + dr) if rq else 2 * H * nq * (dq + dr)
+        attention = (q + 2 * H * (rkv + dr) + 2 * rkv * nq * (dq + dv) + 2 * nq * dv * H
+                     + 2 * S * nq * (dq + dr + dv))
     if m.family == "moe" and not dense:
         ffn_e = m.moe_ffn_hidden_size or m.ffn_hidden_size
         mlp = 2 * H * m.num_experts + m.moe_router_topk * 6 * H * ffn_e

@@ -15,7 +15,8 @@ from tests.helpers.data import make_hf_tokenizer
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "glm4_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "glm4_moe", "deepseek_v3")
+NEXTN_FAMILIES = ("glm4_moe", "deepseek_v3")  # NextN MTP layers at model.layers.{N+i}
 
 
 def hf_config(family: str):
@@ -38,20 +39,37 @@ def hf_config(family: str):
                              n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                              attention_bias=True, use_qk_norm=False, tie_word_embeddings=False,
                              num_nextn_predict_layers=1)
+    if family in ("deepseek_v3", "deepseek_v3_yarn"):  # MLA, dense first layer, grouped sigmoid router
+        from transformers import DeepseekV3Config
+
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if family == "deepseek_v3_yarn":  # DeepSeek-V3's long-context RoPE (cos/sin and softmax scaled)
+            rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
+        return DeepseekV3Config(
+            vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=128, rms_norm_eps=1e-6, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=rope, tie_word_embeddings=False,
+            num_nextn_predict_layers=1)
     raise ValueError(family)
 
 
 def glm_mtp_tensors(cfg, model, num_mtp: int, seed: int = 7) -> dict[str, torch.Tensor]:
-    """GLM-4.5 NextN layers ``model.layers.{N+i}`` as the published checkpoints store them
-    (per-expert names; embedding and head copies in each layer)."""
-    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer
+    """GLM-4.5 / DeepSeek-V3 NextN layers ``model.layers.{N+i}`` as the published checkpoints
+    store them (per-expert names; embedding and head copies in each layer)."""
+    if cfg.model_type == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer as DecoderLayer
+    else:
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer as DecoderLayer
 
     g = torch.Generator().manual_seed(seed)
     N, H = cfg.num_hidden_layers, cfg.hidden_size
     out = {}
     for i in range(num_mtp):
         p = f"model.layers.{N + i}."
-        sd = Glm4MoeDecoderLayer(cfg, layer_idx=N + i).state_dict()
+        sd = DecoderLayer(cfg, layer_idx=N + i).state_dict()
         gate_up, down = sd.pop("mlp.experts.gate_up_proj"), sd.pop("mlp.experts.down_proj")
         inter = cfg.moe_intermediate_size
         for j in range(cfg.n_routed_experts):
@@ -109,7 +127,7 @@ def make_hf_model(family: str, path: Path, num_mtp: int = 1, seed: int = 0,
             b.data = b.data.float()
     model.save_pretrained(str(path))
     make_hf_tokenizer(path)
-    if family == "glm4_moe":
+    if cfg.model_type in NEXTN_FAMILIES:
         weights = load_file(str(path / "model.safetensors"))
         extra = glm_mtp_tensors(cfg, model, num_mtp)
         weights.update({k: v if k.endswith("e_score_correction_bias") else v.to(dtype) for k, v in extra.items()})
