@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.launch import load_grads, run_case
+from tests.helpers.launch import load_grads, run_cases
 
 STEPS = 6  # loss of step index 5 comes after 5 optimizer steps
 BASE = [
@@ -55,26 +55,21 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """``name -> (result, step-0 gradients)`` for every family (single rank) and layout.
+
+    All references run in one single-rank process, then all layouts in one 2-rank launch
+    (tests/helpers/run_case.py --cases): each case builds its own process groups, model
+    and optimizer, so only the start-up of a launch is shared."""
     root = tmp_path_factory.mktemp("layouts")
-    cache: dict = {}
-
-    def get(name: str):
-        if name in cache:
-            return cache[name]
-        if name in FAMILIES:
-            out = root / name
-            result = run_case(out, BASE + FAMILIES[name], nproc=1, save_model=root / f"{name}_init")
-        else:
-            family, overrides, weights = LAYOUTS[name]
-            get(family)  # the reference writes the initial weights
-            out = root / name
-            result = run_case(
-                out, BASE + FAMILIES[family] + overrides + [f"model.{weights}={root / f'{family}_init'}"], nproc=2
-            )
-        cache[name] = (result, load_grads(out / "grads0"))
-        return cache[name]
-
-    return get
+    refs = [(root / name, BASE + FAMILIES[name], root / f"{name}_init") for name in FAMILIES]
+    layouts = [
+        (root / name, BASE + FAMILIES[family] + overrides + [f"model.{weights}={root / f'{family}_init'}"], None)
+        for name, (family, overrides, weights) in LAYOUTS.items()
+    ]
+    results = run_cases(refs, 1, root / "refs") + run_cases(layouts, 2, root / "layouts")
+    names = [*FAMILIES, *LAYOUTS]
+    cache = {name: (result, load_grads(root / name / "grads0")) for name, result in zip(names, results)}
+    return cache.__getitem__
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -51,6 +51,21 @@ def run_case(out: Path, overrides: list[str], nproc: int, save_model: Path | Non
         return json.load(f)
 
 
+def run_cases(cases: list[tuple[Path, list[str], Path | None]], nproc: int, workdir: Path) -> list[dict]:
+    """Several ``run_case.py`` cases ``(out, overrides, save_model)`` in one launch."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = workdir / "cases.json"
+    spec.write_text(json.dumps([{"out": str(out), "overrides": overrides,
+                                 "save_model": None if save is None else str(save)}
+                                for out, overrides, save in cases]))
+    run_script("run_case.py", ["--cases", str(spec)], nproc, timeout=900)
+    results = []
+    for out, _, _ in cases:
+        with open(Path(out) / "result.json") as f:
+            results.append(json.load(f))
+    return results
+
+
 def load_grads(path: Path) -> dict:
     """Full (unsharded) tensors of a distributed checkpoint, without a process group."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

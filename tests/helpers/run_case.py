@@ -2,6 +2,11 @@
 
     torchrun --nproc_per_node 2 tests/helpers/run_case.py --out DIR [--save-model PATH] key=value ...
     python tests/helpers/run_case.py --out DIR ...          (the single-rank reference)
+    torchrun --nproc_per_node 2 tests/helpers/run_case.py --cases cases.json
+
+``--cases``: a JSON list of ``{"out": DIR, "overrides": [...], "save_model": PATH or null}``,
+run one after the other in this launch (each builds its own process groups, model and
+optimizer), which saves the start-up of a launch per case.
 
 Writes (rank 0) ``DIR/result.json``: per-step loss / top-1 / grad norm, whether every
 backbone parameter is bit-identical after training, and the optimizer's parameter count
@@ -63,14 +68,25 @@ def optimizer_params(optimizer) -> list[torch.nn.Parameter]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     parser.add_argument("--save-model", default=None, help="write the initial full model here first")
+    parser.add_argument("--cases", default=None, help="JSON list of cases instead of --out/overrides")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    cfg = load_config(overrides=["save.dir=null", "train.resume=none", *args.overrides])
+    if args.cases:
+        with open(args.cases) as f:
+            cases = json.load(f)
+    else:
+        cases = [{"out": args.out, "overrides": args.overrides, "save_model": args.save_model}]
+    for case in cases:
+        run_case(case["out"], case["overrides"], case.get("save_model"))
+
+
+def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
+    cfg = load_config(overrides=["save.dir=null", "train.resume=none", *overrides])
     trainer = Trainer(cfg, log=lambda *a, **k: None)
-    if args.save_model:
-        save_model_checkpoint(args.save_model, trainer.model)
+    if save_model:
+        save_model_checkpoint(save_model, trainer.model)
 
     module = trainer.model.module
     backbone = {n: p.detach().clone() for n, p in module.named_parameters() if not is_mtp_param(n)}
@@ -82,7 +98,7 @@ def main() -> None:
         # ranks each hold the full gradient for the comparison; the update is the same.
         outputs = trainer.forward_backward(batches, force_all_reduce=step == 0)
         if step == 0:
-            save_mtp_grads(os.path.join(args.out, "grads0"), trainer)
+            save_mtp_grads(os.path.join(out, "grads0"), trainer)
         norm = trainer.optimizer_step()
         trainer.step += 1
         trainer.consumed_samples += cfg.train.global_batch_size
@@ -120,7 +136,8 @@ def main() -> None:
             "rank0_trainable_numel": int(counts[4]),
             "world_size": dist.get_world_size(),
         }
-        with open(os.path.join(args.out, "result.json"), "w") as f:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f, indent=1)
     dist.barrier()
 
