@@ -163,3 +163,13 @@ def test_keep_last_prunes_old_checkpoints_but_never_latest(tmp_path):
     (tmp_path / "latest").write_text("iter_0000004")
     prune_checkpoints(str(tmp_path), keep_last=1)
     assert list_checkpoints(str(tmp_path)) == ["iter_0000004"]
+
+
+def test_wandb_run_id_is_kept_in_the_save_dir(tmp_path):
+    from bebop_megatron.training.monitor import wandb_run_id
+
+    assert wandb_run_id(None) is None
+    first = wandb_run_id(str(tmp_path / "ckpt"))
+    assert first and wandb_run_id(str(tmp_path / "ckpt")) == first  # a resumed run: same id
+    assert wandb_run_id(str(tmp_path / "other")) != first
+

@@ -31,14 +31,10 @@ embeddings are left out (each well under 1%).
 from __future__ import annotations
 
 from bebop_megatron.config import Config
+from bebop_megatron.model.builder import padded_vocab_size
 
 # Dense bf16 peak TFLOP/s per GPU (no sparsity); fp8 doubles it, fp32 (TF32) halves it.
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0, "B200": 2250.0, "GB200": 2500.0}
-
-
-def _padded_vocab(cfg: Config) -> int:
-    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor
-    return -(-cfg.model.vocab_size // multiple) * multiple
 
 
 def layer_flops_per_token(cfg: Config, dense: bool = False) -> float:
@@ -67,10 +63,10 @@ def layer_flops_per_token(cfg: Config, dense: bool = False) -> float:
 def step_flops(cfg: Config) -> dict[str, float]:
     """Model FLOPs of one optimizer step over the global batch: backbone, MTP and total."""
     m, K = cfg.model, cfg.mtp.num_steps
-    H, V = m.hidden_size, _padded_vocab(cfg)
+    H, V = m.hidden_size, padded_vocab_size(cfg)
     tokens = cfg.train.global_batch_size * cfg.train.seq_length
     layer = layer_flops_per_token(cfg)
-    num_dense = getattr(m, "moe_first_dense_layers", 0) if m.family == "moe" else 0
+    num_dense = m.moe_first_dense_layers if m.family == "moe" else 0
     decoder = (m.num_layers - num_dense) * layer + num_dense * layer_flops_per_token(cfg, dense=True)
     backbone = tokens * (decoder + 2 * H * V)
     mtp = tokens * K * (3 * (4 * H * H + layer) + 4 * H * V)

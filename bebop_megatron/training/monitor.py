@@ -22,6 +22,28 @@ def peak_memory_gib(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(save_dir: str | None) -> str | None:
+    """The wandb run id of this training run, kept in ``save_dir``: a requeued or resumed job
+    logs into the same wandb run instead of starting a new one. None without ``save.dir``."""
+    if not save_dir:
+        return None
+    path = os.path.join(save_dir, WANDB_ID_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return f.read().strip()
+    import uuid
+
+    run_id = uuid.uuid4().hex[:12]
+    os.makedirs(save_dir, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(run_id + "\n")
+    os.replace(path + ".tmp", path)
+    return run_id
+
+
 class Monitor:
     """Console, TensorBoard and wandb outputs of rank 0 (no-ops elsewhere)."""
 
@@ -58,6 +80,7 @@ class Monitor:
                 mode=log.wandb.mode,
                 dir=run_dir,
                 config=OmegaConf.to_container(OmegaConf.structured(cfg)),
+                id=wandb_run_id(cfg.save.dir),
                 resume="allow",
             )
 

@@ -86,3 +86,6 @@ def test_wandb_offline_writes_a_run_directory(preempted):
     runs = list((preempted["tmp"] / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((preempted["tmp"] / "wandb").iterdir())
     assert list(runs[0].glob("run-*.wandb"))  # the run's history, for `wandb sync`
+    # the run id is kept in save.dir, so a requeued job logs into the same wandb run
+    run_id = (preempted["tmp"] / "ckpt" / "wandb_run_id").read_text().strip()
+    assert runs[0].name.endswith(f"-{run_id}"), runs[0].name
