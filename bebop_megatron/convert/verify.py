@@ -132,10 +132,6 @@ def nextn_config(cfg: dict, fmt_name: str = "glm4_moe"):
     return gcfg
 
 
-def glm_config(cfg: dict):
-    return nextn_config(cfg, "glm4_moe")
-
-
 @torch.no_grad()
 def nextn_backbone_hidden(out_dir: str, cfg: dict, tokens_BS: torch.Tensor,
                           fmt_name: str = "glm4_moe") -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,10 +147,6 @@ def nextn_backbone_hidden(out_dir: str, cfg: dict, tokens_BS: torch.Tensor,
         logging.set_verbosity(verbosity)
     hidden = model.model(tokens_BS).last_hidden_state
     return hidden, model.lm_head(hidden)
-
-
-def glm_backbone_hidden(out_dir: str, cfg: dict, tokens_BS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return nextn_backbone_hidden(out_dir, cfg, tokens_BS, "glm4_moe")
 
 
 def _fused_experts(sd: dict, num_experts: int) -> dict:
@@ -206,11 +198,6 @@ def nextn_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, token
         h = norm(tensors[p + "shared_head.norm.weight"])(y)
         out.append(h @ W.T)
     return out
-
-
-def glm_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor, num_mtp: int,
-                     emb=None, head=None, sglang_nextn: bool = False) -> list[torch.Tensor]:
-    return nextn_draft_logits(tensors, cfg, hidden_BSH, tokens_BS, num_mtp, emb, head, sglang_nextn, "glm4_moe")
 
 
 def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
