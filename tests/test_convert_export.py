@@ -139,6 +139,7 @@ def batch(tmp_path_factory):
     export_call("glm_2mtp/vllm", "glm_2mtp", "glm4_moe", "vllm", "--mtp-only")
     export_call("glm_2mtp/sglang", "glm_2mtp", "glm4_moe", "sglang")
     export_call("mimo_2mtp/sglang", "mimo_2mtp", "mimo", "sglang")
+    export_call("mimo_2mtp/vllm", "mimo_2mtp", "mimo", "vllm", "--mtp-only")
     export_call("qwen2_copy/sglang", "qwen2_copy", "mimo", "sglang")
     export_call("qwen3/mimo", "qwen3", "mimo", "vllm")
     base = ["--checkpoint", str(root / "mimo" / "megatron"), "--out", str(root / "out" / "error")]
@@ -193,7 +194,9 @@ def test_round_trip_bit_exact(batch, fmt, model):
 
 
 def test_glm_two_mtp_layers(batch):
-    """Two NextN layers: vLLM export verified (absolute indices N, N+1); SGLang refused."""
+    """Two NextN layers: vLLM export verified (absolute indices N, N+1; step 2 gets step 1's
+    output before shared_head.norm, as vLLM computes: mtp.next_step_input=pre_norm); SGLang
+    refused."""
     root, results = batch
     assert "max_diff_mtp2" in ok(results["glm_2mtp/vllm"]).stdout
     names = set(load_dir(root / "out" / "glm_2mtp_vllm"))
@@ -261,7 +264,7 @@ def test_export_from_training_checkpoint(batch, tmp_path):
         "--config", str(mimo / "megatron" / "bebop_model.yaml"), "device=cpu", "parallel.tensor=2",
         f"model.init_checkpoint={mimo / 'megatron'}", "train.steps=2", "train.micro_batch_size=2",
         "train.global_batch_size=2", "train.seq_length=16", "train.lr=1e-2", f"save.dir={save}",
-        "data.num_samples=16"], 2)
+        "data.num_samples=16", "mtp.num_steps=2"], 2)  # the one MTP layer repeated for 2 steps
     line = _error_line(export(["--checkpoint", str(save), "--format", "mimo", "--target", "vllm",
                                "--out", str(tmp_path / "o")]))
     assert "holds only MTP weights" in line
@@ -272,6 +275,14 @@ def test_export_from_training_checkpoint(batch, tmp_path):
     assert not torch.equal(trained["model.mtp_layers.0.input_proj.weight"],
                            source["model.mtp_layers.0.input_proj.weight"])
     assert torch.equal(trained["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
+    # Trained with the default post_norm chain, as MiMo's engines run it: no warning. An
+    # engine that runs pre_norm gets one line naming the setting to train with.
+    assert "warning:" not in proc.stdout
+    from bebop_megatron.convert.exporter import _warn_if_trained_otherwise
+
+    lines = []
+    _warn_if_trained_otherwise(str(save / (save / "latest").read_text()), "pre_norm", "vllm", lines.append)
+    assert len(lines) == 1 and "train with mtp.next_step_input=pre_norm for vllm" in lines[0], lines
 
 
 def test_qwen2_copy_last_layer_as_mimo(batch):
@@ -285,3 +296,10 @@ def test_qwen2_copy_last_layer_as_mimo(batch):
     assert torch.equal(w["model.mtp_layers.0.final_layernorm.weight"], w["model.norm.weight"])
     # tied embeddings: lm_head is written anyway, for vLLM's strict MiMoMTP loader
     assert torch.equal(w["lm_head.weight"], w["model.embed_tokens.weight"])
+
+
+def test_mimo_two_mtp_layers_refused_for_vllm(batch):
+    """vLLM's MiMoMTP drafts with its first MTP layer only: a second layer is refused."""
+    line = _error_line(batch[1]["mimo_2mtp/vllm"])
+    assert "vLLM's MiMoMTP predicts with its first MTP layer only; the checkpoint has 2" in line
+

@@ -125,6 +125,7 @@ def validate(cfg: Config) -> None:
         _positive(getattr(t, name), f"train.{name}")
     _positive(mtp.num_layers, "mtp.num_layers")
     _positive(mtp.num_steps, "mtp.num_steps")
+    _choice(mtp.next_step_input, "mtp.next_step_input", ("pre_norm", "post_norm"))
     if mtp.num_layers not in (1, mtp.num_steps):
         raise ConfigError(
             f"mtp.num_layers={mtp.num_layers} must equal mtp.num_steps={mtp.num_steps} "

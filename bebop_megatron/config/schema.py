@@ -115,6 +115,13 @@ class MTPConfig:
     """MTP training steps K (prediction depth)."""
     detach_heads: bool = False
     """Megatron's ``mtp_detach_heads`` (detach head inputs)."""
+    next_step_input: str = "post_norm"
+    """What MTP step k hands to step k+1: its output after its final norm (``post_norm``:
+    Megatron-Core's ``MultiTokenPredictionBlock``; what SGLang's NextN/MiMo drafts and vLLM's
+    MiMo draft compute) or before it (``pre_norm``: what vLLM's DeepSeek-V3 / GLM-4.5 MTP drafts
+    compute, as DeepSeek-V3 was trained). Train with the serving engine's choice: it only
+    matters from draft step 2 on. Step 1 always gets the backbone's final-norm output; each
+    step's logits always use its final norm."""
 
 
 @dataclass

@@ -114,7 +114,11 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     if rows < hf.vocab_size:
         raise ConvertError(f"checkpoint vocabulary {rows} < config.json vocab_size {hf.vocab_size}")
 
-    cfg = megatron_io.make_config(model_overrides(hf, rows, 1), num_mtp, num_mtp)
+    # The Megatron model runs the chain the way the target engine does (verification compares
+    # against that engine's semantics); see mtp.next_step_input.
+    engine_chain = fmt.next_step_input(target)
+    _warn_if_trained_otherwise(ckpt, engine_chain, target, log)
+    cfg = megatron_io.make_config(model_overrides(hf, rows, 1), num_mtp, num_mtp, engine_chain)
     model = megatron_io.build(cfg)
     megatron_io.load(bb, model, lambda k: not is_mtp_param(k))
     megatron_io.load(ckpt, model, is_mtp_param)
@@ -148,6 +152,32 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     return summary
 
 
+def _warn_if_trained_otherwise(ckpt: str, engine_chain: str, target: str, log) -> None:
+    """One warning line when a training checkpoint's heads were trained with another
+    ``mtp.next_step_input`` than the target engine runs (draft steps >= 2 then differ)."""
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    from megatron.core import dist_checkpointing
+
+    try:
+        with warnings.catch_warnings():  # dist checkpointing's note on a missing process group
+            warnings.simplefilter("ignore")
+            common = dist_checkpointing.load_common_state_dict(ckpt).get("common", {})
+    except (OSError, KeyError, RuntimeError):  # a model checkpoint (convert_from_hf) has none
+        return
+    text = common.get("config_yaml") if isinstance(common, dict) else None
+    if not text:
+        return
+    mtp = OmegaConf.create(text).get("mtp", {})
+    trained = mtp.get("next_step_input", "post_norm")
+    if trained != engine_chain and int(mtp.get("num_steps", 1)) > 1:
+        log(f"warning: the MTP heads were trained with mtp.next_step_input={trained}, but {target} hands "
+            f"the next draft step the {engine_chain.replace('_', '-')} state: acceptance from draft step 2 on "
+            f"can be lower than training measured; train with mtp.next_step_input={engine_chain} for {target}")
+
+
 def verify_export(out_dir, model, fmt, config, expected, num_mtp, target, mtp_only, vocab, tol) -> dict:
     """Reload the files, check the key set, and compare an independent MTP forward's logits."""
     written = read_all(out_dir)
@@ -164,13 +194,15 @@ def verify_export(out_dir, model, fmt, config, expected, num_mtp, target, mtp_on
             h, ref_logits = verify_mod.nextn_backbone_hidden(out_dir, config, tokens, fmt.name)
         result["max_diff_backbone"] = verify_mod.compare("backbone logits", logits[0], ref_logits, tol)
     if fmt is MiMo:
-        drafts = verify_mod.mimo_draft_logits(written, config, h, tokens, num_mtp)
+        drafts = verify_mod.mimo_draft_logits(written, config, h, tokens, num_mtp,
+                                              pre_norm=fmt.next_step_input(target) == "pre_norm")
     else:  # the target's embedding and head where the draft does not carry them
         sd = megatron_io.weights(model)
         emb = sd["embedding.word_embeddings.weight"][:vocab]
         head = sd["output_layer.weight"][:vocab] if "output_layer.weight" in sd else emb
         drafts = verify_mod.nextn_draft_logits(written, config, h, tokens, num_mtp, emb, head,
-                                               sglang_nextn=target == "sglang" and mtp_only, fmt_name=fmt.name)
+                                               sglang_nextn=target == "sglang" and mtp_only, fmt_name=fmt.name,
+                                               pre_norm=fmt.next_step_input(target) == "pre_norm")
     for k, ref in enumerate(drafts, start=1):
         got = logits[k][:, : ref.shape[1]]
         result[f"max_diff_mtp{k}"] = verify_mod.compare(f"MTP step {k} logits", got, ref, tol)

@@ -41,6 +41,12 @@ class MiMo:
 
     name = "mimo"
     architecture = "MiMoForCausalLM"
+
+    @staticmethod
+    def next_step_input(target: str) -> str:
+        """What the engines' MiMo draft hands its next step: the ``final_layernorm`` output."""
+        return "post_norm"
+
     model_type = "mimo"
     families = ("qwen2", "mimo", "llama")
     backbone_qkv_bias = True  # the engines' Qwen2 layers always have qkv biases (zeros if absent)
@@ -212,6 +218,13 @@ class Glm4Moe:
 
     name = "glm4_moe"
     label = "a GLM-4.5 MoE"
+
+    @staticmethod
+    def next_step_input(target: str) -> str:
+        """vLLM's MTP layer returns its output before ``shared_head.norm`` and feeds that to the
+        next step; SGLang's NextN model returns (and feeds) the normed one."""
+        return "pre_norm" if target == "vllm" else "post_norm"
+
     architecture = "Glm4MoeForCausalLM"
     nextn_architecture = "Glm4MoeForCausalLMNextN"
     families = ("glm4_moe",)

@@ -16,14 +16,14 @@ from bebop_megatron.convert.errors import ConvertError
 MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
-def make_config(model: dict, mtp_layers: int, mtp_steps: int):
+def make_config(model: dict, mtp_layers: int, mtp_steps: int, next_step_input: str = "post_norm"):
     from bebop_megatron.config import load_config
 
     return load_config(defaults={
         "device": "cpu",
         "precision": "fp32",
         "model": {**model, "transformer_impl": "local"},
-        "mtp": {"num_layers": mtp_layers, "num_steps": mtp_steps},
+        "mtp": {"num_layers": mtp_layers, "num_steps": mtp_steps, "next_step_input": next_step_input},
         "parallel": {"tensor": 1, "pipeline": 1, "expert": 1},
         "save": {"dir": None},
         "train": {"resume": "none"},

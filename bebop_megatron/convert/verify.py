@@ -73,9 +73,10 @@ def mimo_backbone_hidden(tensors: dict, cfg: dict, tokens_BS: torch.Tensor) -> t
 
 @torch.no_grad()
 def mimo_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor,
-                      num_mtp: int) -> list[torch.Tensor]:
+                      num_mtp: int, pre_norm: bool = False) -> list[torch.Tensor]:
     """MiMo MTP chain: ``input_proj(cat(hidden_layernorm(h), token_layernorm(emb)))``, a Qwen2
-    decoder layer, ``final_layernorm``, ``lm_head``; step k's logits are ``[B, S-k, V]``."""
+    decoder layer, ``final_layernorm``, ``lm_head``; step k's logits are ``[B, S-k, V]``. The
+    next step gets the ``final_layernorm`` output (``pre_norm``: the layer output before it)."""
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
     qcfg = qwen2_config(cfg)
@@ -101,8 +102,9 @@ def mimo_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens
         cos_sin = rotary(x, pos)
         y = layer(x, attention_mask=_causal_mask(B, L), position_ids=pos, position_embeddings=cos_sin)
         y = y[0] if isinstance(y, tuple) else y
-        h = _rms(tensors[p + "final_layernorm.weight"], eps)(y)
-        out.append(h @ head.T)
+        normed = _rms(tensors[p + "final_layernorm.weight"], eps)(y)
+        out.append(normed @ head.T)
+        h = y if pre_norm else normed
     return out
 
 
@@ -162,11 +164,13 @@ def _fused_experts(sd: dict, num_experts: int) -> dict:
 
 @torch.no_grad()
 def nextn_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor, num_mtp: int,
-                       emb=None, head=None, sglang_nextn: bool = False, fmt_name: str = "glm4_moe") -> list[torch.Tensor]:
+                       emb=None, head=None, sglang_nextn: bool = False, fmt_name: str = "glm4_moe",
+                       pre_norm: bool = False) -> list[torch.Tensor]:
     """GLM-4.5 / DeepSeek-V3 NextN chain: ``eh_proj(cat(enorm(emb), hnorm(h)))``, the family's MoE
     decoder layer (transformers' class: GQA for GLM-4.5, MLA for DeepSeek-V3), ``shared_head.norm``,
     ``shared_head.head``. ``emb``/``head``: the target's, for a draft that does not carry them
-    (SGLang's NextN layout)."""
+    (SGLang's NextN layout). The next step gets the ``shared_head.norm`` output (SGLang) or,
+    with ``pre_norm``, the layer output before it (vLLM)."""
     gcfg = nextn_config(cfg, fmt_name)
     DecoderLayer, RMSNorm = _nextn_class(fmt_name, "DecoderLayer"), _nextn_class(fmt_name, "RMSNorm")
     eps, N = gcfg.rms_norm_eps, cfg["num_hidden_layers"]
@@ -195,8 +199,9 @@ def nextn_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, token
         pos = torch.arange(L).unsqueeze(0).expand(B, L)
         y = layer(x, attention_mask=_causal_mask(B, L), position_ids=pos, position_embeddings=rotary(x, pos))
         y = y[0] if isinstance(y, tuple) else y
-        h = norm(tensors[p + "shared_head.norm.weight"])(y)
-        out.append(h @ W.T)
+        normed = norm(tensors[p + "shared_head.norm.weight"])(y)
+        out.append(normed @ W.T)
+        h = y if pre_norm else normed
     return out
 
 

@@ -5,14 +5,30 @@ Legend: S sequence, B micro-batch, H hidden, K MTP steps.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+from megatron.core.utils import make_viewless_tensor
 
 from bebop_megatron.config import Config
 from bebop_megatron.model import specs
+
+
+class PreNormChainMTPLayer(MultiTokenPredictionLayer):
+    """An MTP layer that returns its output before its final norm (``mtp.next_step_input=pre_norm``).
+
+    Megatron-Core's layer applies ``final_layernorm`` before returning, so the next step's
+    ``hnorm`` sees a normed, per-channel scaled state; vLLM's DeepSeek-V3 / GLM-4.5 drafts pass
+    the un-normed one. :class:`MTPGPTModel` applies each step's ``final_layernorm`` to that
+    step's output afterwards, for the logits."""
+
+    def _postprocess(self, hidden_states: torch.Tensor):
+        return make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
 
 
 class MTPGPTModel(GPTModel):
@@ -45,7 +61,18 @@ class MTPGPTModel(GPTModel):
                 embedding=self.embedding,
                 **(extra_block_kwargs or {}),
             )
+            if isinstance(self.mtp.layers[0], PreNormChainMTPLayer):
+                hidden_states = self._norm_mtp_outputs(hidden_states)
         return hidden_states
+
+    def _norm_mtp_outputs(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Apply each MTP step's ``final_layernorm`` to its chunk of ``[(1+K)*S, B, H]`` (the
+        backbone chunk is already normed)."""
+        chunks = list(torch.chunk(hidden_states, 1 + self.config.mtp_num_layers, dim=0))
+        for k in range(1, len(chunks)):
+            layer = self.mtp.layers[0 if self.mtp.mtp_use_repeated_layer else k - 1]
+            chunks[k] = layer.final_layernorm(chunks[k])
+        return torch.cat(chunks, dim=0)
 
     def output_weight(self) -> torch.Tensor | None:
         """The weight to pass to ``output_layer`` (the embedding when tied)."""
@@ -204,6 +231,9 @@ def build_model(cfg: Config, device: str, pg_collection=None) -> MTPGPTModel:
     mla = cfg.model.multi_latent_attention
     layer = specs.layer_spec(num_experts, cfg.model.qk_layernorm, use_te, mla)
     mtp_spec = specs.mtp_block_spec(tconfig, layer, use_te)
+    if mtp_spec is not None and cfg.mtp.next_step_input == "pre_norm":
+        mtp_spec = dataclasses.replace(mtp_spec, layer_specs=[
+            dataclasses.replace(spec, module=PreNormChainMTPLayer) for spec in mtp_spec.layer_specs])
     num_dense = cfg.model.moe_first_dense_layers if num_experts else 0
     dense = specs.layer_spec(None, cfg.model.qk_layernorm, use_te, mla) if num_dense else None
     model = MTPGPTModel(
