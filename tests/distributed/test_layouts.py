@@ -1,7 +1,8 @@
 """Every parallel layout against the same model on one rank (2 gloo ranks, CPU).
 
 The objective is the e2e TV loss (vocabulary-parallel under TP, sequence-parallel hidden
-states under SP); one layout repeats TP+SP with the CE objective.
+states under SP); one layout repeats TP+SP with the CE objective, two run the MTP chain with
+``mtp.next_step_input=pre_norm`` (TP+SP, and a standalone MTP pipeline stage).
 
 Weights are independent of the layout: the single-rank reference writes its initial
 weights as a Megatron distributed checkpoint, and each 2-rank run loads them at its own
@@ -30,6 +31,7 @@ BASE = [
 FAMILIES = {
     "dense": ["model.qk_layernorm=true"],
     "dense_ce": ["model.qk_layernorm=true", "loss.type=ce"],
+    "dense_pre_norm": ["model.qk_layernorm=true", "mtp.next_step_input=pre_norm"],
     "moe": [
         "model.family=moe", "model.num_experts=4", "model.moe_router_topk=2", "model.add_qkv_bias=true",
         "model.ffn_hidden_size=64", "model.moe_shared_expert_intermediate_size=64",
@@ -42,6 +44,9 @@ LAYOUTS = {
     "tp2_sp_ce": ("dense_ce", ["parallel.tensor=2", "parallel.sequence_parallel=true"], "init_checkpoint"),
     "pp2": ("dense", ["parallel.pipeline=2"], "init_checkpoint"),
     "pp2_standalone_mtp": ("dense", ["parallel.pipeline=2", "parallel.pipeline_layout=Et*4|m*3L"], "init_checkpoint"),
+    "tp2_sp_pre_norm": ("dense_pre_norm", ["parallel.tensor=2", "parallel.sequence_parallel=true"], "init_checkpoint"),
+    "pp2_standalone_mtp_pre_norm": (
+        "dense_pre_norm", ["parallel.pipeline=2", "parallel.pipeline_layout=Et*4|m*3L"], "init_checkpoint"),
     "dp2": ("dense", [], "init_checkpoint"),
     "dp2_distributed_optimizer": ("dense", ["parallel.distributed_optimizer=true"], "init_checkpoint"),
     "ep2": ("moe", ["parallel.expert=2"], "init_checkpoint"),
