@@ -200,10 +200,9 @@ def verdict(report: dict, args) -> str:
 
 
 def plot(steps, entropy, series, report, path) -> None:
-    import matplotlib
+    from bebop_megatron.metrics.plots import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     name = report["primary"]
     split = report["_splits"][name]
@@ -226,9 +225,7 @@ def plot(steps, entropy, series, report, path) -> None:
     bottom.set_ylabel("d acceptance")
     bottom.set_title(f"mismatch share {100 * report['mismatch_share']:.0f}%", fontsize=9)
     bottom.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def main(argv=None) -> dict:

@@ -14,7 +14,8 @@ PLOTS = ("alpha_per_step", "accept_len_vs_gamma", "acceptance_vs_entropy", "acce
          "rs_vs_to_boundary")
 
 
-def _plt():
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,12 +24,19 @@ def _plt():
     return plt
 
 
+def save(fig, path: str) -> None:
+    """Write ``fig`` to ``path`` as a PNG and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+
+
 def _none_to_nan(values) -> np.ndarray:
     return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
 
 
 def alpha_per_step(per_t: dict, path: str) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (tau, e) in enumerate(per_t.items()):
         steps = np.arange(1, len(e["alpha_rs"]) + 1)
@@ -40,13 +48,11 @@ def alpha_per_step(per_t: dict, path: str) -> None:
     ax.set_title("per-step acceptance: alpha_RS = sum min(p, q), alpha_TO = p(argmax q)", fontsize=9)
     ax.set_xticks(steps)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def accept_len_vs_gamma(per_t: dict, path: str) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (tau, e) in enumerate(per_t.items()):
         gammas = np.arange(1, len(e["accept_len_rs"]) + 1)
@@ -61,14 +67,12 @@ def accept_len_vs_gamma(per_t: dict, path: str) -> None:
     ax.set_ylabel("expected accepted drafts E[L]")
     ax.set_xticks(gammas)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def acceptance_vs_entropy(per_t: dict, tau: str, path: str) -> None:
     """Fig. 1a / Fig. 8: binned acceptance against H(p) with the fitted lines (all steps pooled)."""
-    plt = _plt()
+    plt = pyplot()
     e = per_t[tau]
     bins = e["entropy_bins"]
     edges = np.array(bins["edges"])
@@ -87,14 +91,12 @@ def acceptance_vs_entropy(per_t: dict, tau: str, path: str) -> None:
     ax.set_ylabel("acceptance")
     ax.set_title(f"acceptance against entropy, T={tau}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def accept_len_vs_temperature(per_t: dict, path: str) -> None:
     """Fig. 12a: E[L](gamma) at the largest gamma against the temperature."""
-    plt = _plt()
+    plt = pyplot()
     taus = np.array([float(t) for t in per_t])
     fig, ax = plt.subplots(figsize=(6, 4))
     for which, marker, color in (("rs", "o", "C0"), ("to", "s", "C1")):
@@ -107,14 +109,12 @@ def accept_len_vs_temperature(per_t: dict, path: str) -> None:
     ax.set_xlabel("temperature T (both logits divided by T)")
     ax.set_ylabel(f"E[L] at gamma={gamma}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def rs_vs_to_boundary(per_t: dict, scatter: list, tau: str, path: str) -> None:
     """Fig. 13: RS beats target-only where d_TV(p, q) < 1 - p(argmax q) (above the diagonal)."""
-    plt = _plt()
+    plt = pyplot()
     e = per_t[tau]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     if scatter:
@@ -136,9 +136,7 @@ def rs_vs_to_boundary(per_t: dict, scatter: list, tau: str, path: str) -> None:
     right.set_ylabel("fraction of positions where RS wins")
     right.legend(fontsize=8)
     fig.suptitle(f"RS vs target-only, T={tau}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write_all(per_t: dict, scatter: list, tau: str, out_dir: str) -> dict[str, str]:
