@@ -256,9 +256,13 @@ def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> 
 def load_mtp_weights(path: str, model) -> None:
     """Load only the MTP layers' weights of a training checkpoint (no optimizer, no RNG):
     what evaluation needs. Any saved layout loads at this model's layout."""
-    sd = _filtered_sharded_state_dict(model, is_mtp_param)
-    if sd:  # backbone-only pipeline stages hold no MTP weight
-        _load_into(model, dist_checkpointing.load({"model": sd}, path)["model"], is_mtp_param)
+    _load_filtered(path, model, is_mtp_param)
+
+
+def _load_filtered(path: str, model, keep) -> None:
+    """Load the weights whose names ``keep`` accepts (collective: every rank calls it)."""
+    sd = _filtered_sharded_state_dict(model, keep)
+    _load_into(model, dist_checkpointing.load({"model": sd}, path)["model"], keep)
 
 
 def _load_into(model, state_dict: dict, keep) -> None:
@@ -292,7 +296,4 @@ def load_model_weights(path: str, model, backbone_only: bool) -> None:
     """Load the backbone (and, unless ``backbone_only``, the MTP layers) from ``path``."""
     if not os.path.isdir(path):
         raise ValueError(f"model checkpoint directory not found: {path}")
-    keep = _is_backbone_key if backbone_only else (lambda k: True)
-    sd = _filtered_sharded_state_dict(model, keep)
-    loaded = dist_checkpointing.load({"model": sd}, path)["model"]
-    _load_into(model, loaded, keep)
+    _load_filtered(path, model, _is_backbone_key if backbone_only else (lambda k: True))
