@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from tests.helpers.cli_batch import run_batch
 from tests.helpers.convert_models import make_hf_model
-from tests.helpers.launch import REPO, run_script
+from tests.helpers.launch import run_script
 
-CLI = str(REPO / "tools" / "convert_from_hf.py")
 # family -> layouts checked on 2 ranks, in one process (TP=1 there is TP=1 with DP=2)
 LAYOUTS = {
     "llama": ["parallel.tensor=1", "parallel.tensor=2"],
@@ -30,26 +27,6 @@ LAYOUTS = {
     "qwen3_moe": ["parallel.tensor=1", "parallel.expert=2", "parallel.tensor=2,parallel.sequence_parallel=true"],
     "glm4_moe": ["parallel.tensor=1", "parallel.expert=2", "parallel.tensor=2,parallel.sequence_parallel=true"],
 }
-
-
-def run_cli(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, CLI, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def convert(hf_dir, out, *extra) -> None:
-    proc = run_cli(["--hf-dir", str(hf_dir), "--out", str(out), "--max-tensor-parallel", "2", "--no-progress",
-                    *extra])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-def logits_errors(ckpt, hf_dir, family, layouts, out) -> list[float]:
-    run_script("convert_logits_case.py", ["--ckpt", str(ckpt), "--hf-dir", str(hf_dir), "--family", family,
-                                          "--out", str(out), *layouts], 2)
-    return json.loads(out.read_text())["rel_err"]
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,12 @@
-"""Load a converted checkpoint at several layouts in turn and compare its logits with transformers'.
-
-    torchrun --nproc_per_node 2 tests/helpers/convert_logits_case.py --ckpt DIR --hf-dir DIR \
-        --family qwen2 --out result.json parallel.tensor=1 parallel.tensor=2 \
-        parallel.tensor=2,parallel.sequence_parallel=true
+"""Load converted checkpoints at several layouts in turn and compare their logits with transformers'.
 
     torchrun --nproc_per_node 2 tests/helpers/convert_logits_case.py --spec cases.json --out result.json
 
-Each positional argument is one layout (comma-separated overrides); the process groups and
-the model are rebuilt for each (on 2 ranks, ``parallel.tensor=1`` is TP=1 with DP=2). Rank 0
-writes ``{"rel_err": [max|megatron - hf| / max|hf| per layout]}`` over the backbone logits of
-a fixed random batch (float32). With ``--spec`` (a JSON list of ``{"ckpt", "hf_dir",
-"family", "layouts"}``), several checkpoints are checked in one launch and ``rel_err`` is
-one such list per case.
+``cases.json``: a JSON list of ``{"ckpt", "hf_dir", "family", "layouts"}``; each layout is
+comma-separated overrides, e.g. ``"parallel.tensor=2,parallel.sequence_parallel=true"``. The
+process groups and the model are rebuilt for each (on 2 ranks, ``parallel.tensor=1`` is TP=1
+with DP=2). Rank 0 writes ``{"rel_err": [[max|megatron - hf| / max|hf| per layout] per case]}``
+over the backbone logits of a fixed random batch (float32).
 """
 
 from __future__ import annotations
@@ -30,25 +25,17 @@ from bebop_megatron.config import load_config  # noqa: E402  (quiets Megatron's 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ckpt")
-    parser.add_argument("--hf-dir")
-    parser.add_argument("--family")
-    parser.add_argument("--spec", help="JSON list of cases, instead of --ckpt/--hf-dir/--family/layouts")
+    parser.add_argument("--spec", required=True, help="JSON list of cases")
     parser.add_argument("--out", required=True)
-    parser.add_argument("layouts", nargs="*")
     args = parser.parse_args()
     import torch.distributed as dist
 
     from bebop_megatron.platform import init_distributed
 
     rank, world = init_distributed("cpu")
-    if args.spec:
-        with open(args.spec) as f:
-            cases = json.load(f)
-        result = {"rel_err": [check(c["ckpt"], c["hf_dir"], c["family"], c["layouts"], rank, world) for c in cases]}
-    else:
-        result = {"rel_err": check(args.ckpt, args.hf_dir, args.family, args.layouts, rank, world),
-                  "layouts": args.layouts}
+    with open(args.spec) as f:
+        cases = json.load(f)
+    result = {"rel_err": [check(c["ckpt"], c["hf_dir"], c["family"], c["layouts"], rank, world) for c in cases]}
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
