@@ -8,6 +8,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from bebop_megatron.config import Config, load_config, parallel_sizes
+from bebop_megatron.launcher import watch_launcher
 
 
 def parse_config(argv: list[str], description: str, defaults: Optional[dict[str, Any]] = None) -> Config:
@@ -19,7 +20,8 @@ def parse_config(argv: list[str], description: str, defaults: Optional[dict[str,
     )
     parser.add_argument(
         "--config",
-        help="YAML config file (fields of bebop_megatron.config.Config); replaces the embedded default",
+        help="YAML config file (fields of bebop_megatron.config.Config); replaces the embedded default; "
+        "save.dir defaults to checkpoints/<file stem>",
     )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     args = parser.parse_args(argv)
@@ -29,24 +31,42 @@ def parse_config(argv: list[str], description: str, defaults: Optional[dict[str,
     return cfg
 
 
+def _same_on_every_rank(err: BaseException) -> bool:
+    """Errors every rank raises alike (config and data checks, agreed decisions): rank 0 reports them."""
+    if getattr(err, "same_on_every_rank", False):
+        return True
+    data_errors = sys.modules.get("bebop_megatron.data.errors")  # not imported here: the data package is heavy
+    return data_errors is not None and isinstance(err, data_errors.DataError)
+
+
+def _report(err: BaseException, exit_code: int) -> None:
+    """``error: ...`` on stderr: rank 0 prints every error, another rank the ones only it may have
+    raised, with its rank (``error: [rank 3] ...``); then exit with ``exit_code``."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+    elif not _same_on_every_rank(err):
+        print(f"error: [rank {rank}] {err}", file=sys.stderr, flush=True)
+    sys.exit(exit_code)
+
+
 def run_cli(main: Callable[[], None]) -> None:
-    """Run ``main``; one line on rank 0's stderr and a distinct exit status per outcome.
+    """Run ``main``; one ``error:`` line and a distinct exit status per outcome.
 
     2: a user error (``ValueError``); 3: the numerics guard gave up (``train.max_skipped_steps``
-    consecutive non-finite steps); 75: preempted (SIGTERM / SIGUSR1) after a complete
-    checkpoint, to be requeued (``bebop_megatron.training.signals.REQUEUE_EXIT_CODE``).
+    consecutive non-finite steps); 74: a checkpoint could not be written (e.g. no space left on
+    device; ``latest`` still names the previous one); 75: preempted (SIGTERM / SIGUSR1) after a
+    complete checkpoint, to be requeued (``bebop_megatron.training.signals.REQUEUE_EXIT_CODE``).
+    Under torchrun the rank also stops when its launcher is gone (:func:`watch_launcher`).
     """
+    watch_launcher()
     try:
         main()
     except ValueError as err:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    except RuntimeError as err:  # bebop_megatron.training.guard.NumericsError carries exit_code
+        _report(err, 2)
+    except RuntimeError as err:  # NumericsError, CheckpointWriteError carry exit_code
         if getattr(err, "exit_code", None) is None:
             raise
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(err.exit_code)
+        _report(err, err.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)

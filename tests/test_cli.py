@@ -44,3 +44,29 @@ def test_example_configs_validate(path):
 
     cfg = load_config(str(path))
     parallel_sizes(cfg, world_size=2)  # each example is written for 2 ranks
+
+
+def _run_cli_as(rank: int, error: BaseException, monkeypatch, capsys) -> tuple[int, str]:
+    from bebop_megatron.cli import run_cli
+
+    monkeypatch.setenv("RANK", str(rank))
+
+    def main():
+        raise error
+
+    with pytest.raises(SystemExit) as exc:
+        run_cli(main)
+    return exc.value.code, capsys.readouterr().err
+
+
+def test_an_error_raised_on_another_rank_is_printed_by_that_rank(monkeypatch, capsys):
+    from bebop_megatron.config import ConfigError
+
+    # an error only this rank may have raised (e.g. loading its shard): printed with its rank
+    assert _run_cli_as(3, ValueError("cannot load checkpoint c: shard 3"), monkeypatch, capsys) == (
+        2, "error: [rank 3] cannot load checkpoint c: shard 3\n")
+    assert _run_cli_as(0, ValueError("boom"), monkeypatch, capsys) == (2, "error: boom\n")
+    # one every rank raises alike (config checks, agreed decisions): rank 0 alone prints it
+    assert _run_cli_as(1, ConfigError("train.steps=0 must be >= 1"), monkeypatch, capsys) == (2, "")
+    assert _run_cli_as(0, ConfigError("train.steps=0 must be >= 1"), monkeypatch, capsys) == (
+        2, "error: train.steps=0 must be >= 1\n")

@@ -106,6 +106,15 @@ def test_missing_checkpoint_is_one_line(tmp_path):
     assert f"checkpoint not found: {missing}" in line
 
 
+def test_missing_data_names_the_flag(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metadata.json").write_text("{}")  # enough for the checkpoint check, which comes first
+    missing = tmp_path / "missing.jsonl"
+    line = error_line(run_tool("--checkpoint", run, "--data", VALID, missing, "--out-dir", tmp_path / "r"))
+    assert line == f"error: --data[1]={str(missing)!r}: no such file (nor {missing}.bin/.idx)"
+
+
 def test_malformed_dataset_line_names_path_and_line(checkpoint, tmp_path):
     bad = tmp_path / "bad.jsonl"
     lines = VALID.read_text().splitlines()

@@ -287,6 +287,9 @@ def _fmt(x) -> str:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     resolve_checkpoint(args.checkpoint)  # a wrong path fails in a second, before the library import
+    from bebop_megatron.config.sources import parse_sources
+
+    parse_sources(args.data, "--data")  # named as given here, not as the config field it becomes
     result = evaluate(args)
     if result is not None:
         print_summary(result)

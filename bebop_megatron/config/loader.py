@@ -9,11 +9,10 @@ from typing import Any, Iterable, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from bebop_megatron.config.errors import ConfigError
 from bebop_megatron.config.schema import Config
-
-
-class ConfigError(ValueError):
-    """A user error in the configuration; the message names the field."""
+from bebop_megatron.config.sizes import validate_sizes
+from bebop_megatron.config.yaml_file import default_save_dir, read_config_file
 
 
 def _known_keys(cls, prefix: str = "") -> list[str]:
@@ -49,6 +48,39 @@ def _check_sections(layer) -> None:
             raise ConfigError(f"config field '{name}' is a section; set its fields, e.g. '{name}.<field>=...'")
 
 
+def _leaf_types(cls, prefix: str = ""):
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            yield from _leaf_types(f.default_factory, prefix + f.name + ".")
+        else:
+            yield prefix + f.name, f.type
+
+
+_STRING_FIELDS = {key for key, kind in _leaf_types(Config) if kind in ("str", "Optional[str]")}
+_YAML_BOOLEANS = {"yes", "no", "on", "off", "true", "false"}  # YAML 1.1, any case
+_UNSET = object()
+
+
+def _quote_string_override(item: str) -> str:
+    """``train.resume=yes`` stays the string 'yes' (YAML would read a boolean, reported as 'True')."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key=value")
+    key, value = item.split("=", 1)
+    if key in _STRING_FIELDS and value.strip().lower() in _YAML_BOOLEANS:
+        return f"{key}='{value.strip()}'"
+    return item
+
+
+def _check_string_fields(layer, where: str) -> None:
+    for key in sorted(_STRING_FIELDS):
+        value = OmegaConf.select(layer, key, default=None)
+        if isinstance(value, bool):
+            raise ConfigError(
+                f"{where}config field '{key}' is a string, but YAML reads the unquoted word as the boolean "
+                f"{str(value).lower()} (yes/no/on/off/true/false); quote it"
+            )
+
+
 def load_config(
     path: Optional[str] = None,
     overrides: Iterable[str] = (),
@@ -56,8 +88,9 @@ def load_config(
 ) -> Config:
     """Build a validated :class:`Config`.
 
-    ``defaults`` (a nested dict) sits between the dataclass defaults and the YAML file.
-    Raises :class:`ConfigError` (a ``ValueError``) naming the offending field.
+    ``defaults`` (a nested dict) sits between the dataclass defaults and the YAML file. A YAML
+    file that does not set ``save.dir`` gets ``checkpoints/<file stem>``. Raises
+    :class:`ConfigError` (a ``ValueError``) naming the offending field.
     """
     base = OmegaConf.structured(Config)
     try:
@@ -65,14 +98,14 @@ def load_config(
         if defaults:
             layers.append(OmegaConf.create(defaults))
         if path is not None:
-            try:
-                layers.append(OmegaConf.load(path))
-            except FileNotFoundError:
-                raise ConfigError(f"config file not found: {path}") from None
-        overrides = list(overrides)
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override '{item}' is not of the form key=value")
+            layer = read_config_file(path)
+            _check_sections(layer)
+            _check_string_fields(layer, f"config file {path}: ")
+            if OmegaConf.select(layer, "save.dir", default=_UNSET) is _UNSET:
+                # A config's run must not share the quick-start's checkpoints/tiny (and resume from it).
+                layers.append(OmegaConf.create({"save": {"dir": default_save_dir(path)}}))
+            layers.append(layer)
+        overrides = [_quote_string_override(item) for item in overrides]
         if overrides:
             layers.append(OmegaConf.from_dotlist(overrides))
         for layer in layers[1:]:
@@ -125,6 +158,7 @@ def validate(cfg: Config) -> None:
         _positive(getattr(t, name), f"train.{name}")
     _positive(mtp.num_layers, "mtp.num_layers")
     _positive(mtp.num_steps, "mtp.num_steps")
+    validate_sizes(cfg)
     _choice(mtp.next_step_input, "mtp.next_step_input", ("pre_norm", "post_norm"))
     if mtp.num_layers not in (1, mtp.num_steps):
         raise ConfigError(
@@ -201,6 +235,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.backbone_checkpoint and model.init_checkpoint are exclusive")
     if cfg.precision == "fp8" and m.transformer_impl == "local":
         raise ConfigError("precision=fp8 needs model.transformer_impl=transformer_engine (or auto)")
+    if cfg.save.overwrite and t.resume != "none":
+        raise ConfigError("save.overwrite=true deletes the checkpoints in save.dir: it needs train.resume=none")
     if cfg.save.interval < 0:
         raise ConfigError(f"save.interval={cfg.save.interval} must be >= 0")
     if t.log_interval < 1:

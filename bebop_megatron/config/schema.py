@@ -216,7 +216,17 @@ class TrainConfig:
     """Global gradient-norm clip; 0 disables."""
     seed: int = 1234
     resume: str = "auto"
-    """``auto``: continue from the latest checkpoint in ``save.dir`` if there is one; ``none``."""
+    """``auto``: continue from the newest complete checkpoint in ``save.dir`` if there is one
+    (``latest``; if it is missing or names no complete checkpoint, the newest complete
+    ``iter_N``, with a notice). The saved ``config.yaml`` is compared first: a changed field
+    that defines the model, the backbone or the data is refused (``model.*`` and ``mtp.*``
+    except ``model.transformer_impl`` and ``mtp.init``; ``precision`` except bf16<->fp8;
+    ``train.seq_length``; ``data.train_files/tokenizer/train_on/pack/overlong/num_samples/
+    markov_branching/seed``; ``train.seed`` with a random backbone; see
+    ``bebop_megatron/training/resume.py``). Other changes are listed in one line; a new LR
+    schedule (``train.lr/min_lr/lr_schedule/warmup_fraction/weight_decay/steps``) applies from
+    the resumed step on. ``none``: start at step 0; refused if ``save.dir`` already holds
+    checkpoints, unless ``save.overwrite``."""
     log_interval: int = 1
     deterministic: bool = True
     """Deterministic algorithms (CPU runs are bit-reproducible)."""
@@ -237,11 +247,19 @@ class EvalConfig:
 @dataclass
 class SaveConfig:
     dir: Optional[str] = "checkpoints/tiny"
-    """Checkpoint directory; None disables saving."""
+    """Checkpoint directory; None disables saving. Default: ``checkpoints/tiny`` for the
+    embedded quick-start run; a run given ``--config FILE`` whose file does not set it gets
+    ``checkpoints/<FILE's stem>`` (``examples/configs/tiny_moe_cpu.yaml`` ->
+    ``checkpoints/tiny_moe_cpu``), never the quick-start's directory. Rank 0 holds the lock
+    ``run.lock`` in it while the run lives: a second run on the same directory is refused."""
     interval: int = 0
     """Save every N steps (0: only at the end)."""
     keep_last: int = 0
     """Keep only the newest N checkpoints (older ones are deleted after a save); 0 keeps all."""
+    overwrite: bool = False
+    """With ``train.resume=none``: delete the checkpoints already in ``dir`` (``iter_*``,
+    ``latest``) and start over. Without it such a run is refused, so that it cannot overwrite
+    another run's checkpoints and move ``latest`` back."""
     async_save: bool = False
     """Write checkpoints in the background (Megatron-Core's async save, ``mcore`` strategy: a
     forked writer per save): training continues while the files are written; ``latest``

@@ -29,6 +29,12 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 from bebop_megatron.model import is_mtp_param
+from bebop_megatron.training.write_errors import (
+    CheckpointWriteError,
+    raise_agreed_write_error,
+    record_write_errors,
+    write_problem,
+)
 
 LATEST = "latest"
 CONFIG_FILE = "config.yaml"
@@ -89,12 +95,25 @@ class AsyncSaver:
         if filesystem_async._results_queue is not None and not hasattr(filesystem_async._results_queue, "_token"):
             filesystem_async._results_queue = None
         self.queue = AsyncCallsQueue()
+        self.pending: str | None = None  # the .tmp directory being written
 
     def poll(self) -> None:
-        self.queue.maybe_finalize_async_calls(blocking=False)
+        self._finalize(blocking=False)
 
     def wait(self) -> None:
-        self.queue.maybe_finalize_async_calls(blocking=True)
+        self._finalize(blocking=True)
+
+    def _finalize(self, blocking: bool) -> None:
+        failure = None
+        try:
+            self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except BaseException as err:  # torch's CheckpointException is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            failure = err
+        else:
+            return
+        raise_agreed_write_error(failure, self.pending or "the checkpoint")  # every rank's finalize raised
 
     def close(self) -> None:
         self.wait()
@@ -130,12 +149,21 @@ def save_training_checkpoint(
         state["model"] = model_sd
     state["optimizer"] = _same_common_state_on_all_stages(optimizer.sharded_state_dict(model_sd), bool(model_sd))
     publish = functools.partial(_publish, save_dir, name, keep_last, common.get("config_yaml"))
+    record_write_errors()
     if async_saver is None:
-        dist_checkpointing.save(state, tmp)
+        failure = None
+        try:
+            dist_checkpointing.save(state, tmp)
+        except BaseException as err:  # torch's CheckpointException is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            failure = err
+        raise_agreed_write_error(failure, tmp)
         publish()
     else:
         request = dist_checkpointing.save(state, tmp, async_sharded_save=True, async_strategy="mcore")
         request.add_finalize_fn(publish)  # runs after Megatron's own metadata finalize
+        async_saver.pending = tmp
         async_saver.queue.schedule_async_request(request)
     return final
 
@@ -144,18 +172,26 @@ def _publish(save_dir: str, name: str, keep_last: int, config_yaml: str | None) 
     """Add ``config.yaml``, rename the complete ``NAME.tmp`` to ``NAME``, then move ``latest``
     (collective)."""
     dist.barrier()
+    problem = None
     if dist.get_rank() == 0:
         final = os.path.join(save_dir, name)
-        if config_yaml is not None:
-            with open(os.path.join(final + ".tmp", CONFIG_FILE), "w") as f:
-                f.write(config_yaml)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(final + ".tmp", final)
-        _write_atomic(os.path.join(save_dir, LATEST), name)
-        _remove_partial_saves(save_dir, older_than=name)
-        if keep_last:
-            prune_checkpoints(save_dir, keep_last)
-    dist.barrier()
+        try:
+            if config_yaml is not None:
+                with open(os.path.join(final + ".tmp", CONFIG_FILE), "w") as f:
+                    f.write(config_yaml)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(final + ".tmp", final)
+            _write_atomic(os.path.join(save_dir, LATEST), name)
+        except OSError as err:
+            problem = write_problem(err, final + ".tmp")
+        else:
+            _remove_partial_saves(save_dir, older_than=name)
+            if keep_last:
+                prune_checkpoints(save_dir, keep_last)
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)  # also the barrier that ends the publish
+    if box[0]:
+        raise CheckpointWriteError(box[0])
 
 
 def _remove_partial_saves(save_dir: str, older_than: str) -> None:
@@ -244,13 +280,57 @@ def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> 
     loaded = dist_checkpointing.load(state, path)
     if model_sd:
         _load_into(model, loaded["model"], is_mtp_param)
+        current = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        _adopt_current_schedule(loaded["optimizer"], optimizer.param_groups)
         optimizer.load_state_dict(loaded["optimizer"])
+        for group, settings in zip(optimizer.param_groups, current):
+            group.update(settings)  # this run's Adam settings (betas, eps, ...), not the saved ones
     if restore_rng:
         rng = loaded["rng_state"]
         torch.set_rng_state(rng["torch"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+_SCHEDULE_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+
+
+def _adopt_current_schedule(opt_state, current_groups: list) -> None:
+    """Give the saved param groups this run's LR / weight-decay schedule values.
+
+    Megatron pairs saved and current param groups by identifier tuples that include
+    ``max_lr`` / ``min_lr`` / ``start_wd`` / ``end_wd``, so a resume with another ``train.lr``
+    failed ("Could not find parameter group"). Each saved group whose other identifiers match
+    a current group takes that group's schedule values: the new schedule applies from the
+    resumed step on (``Trainer`` rebuilds the scheduler at the resumed step).
+    """
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    def rest(group: dict) -> tuple:
+        return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys
+                     if k not in _SCHEDULE_GROUP_KEYS)
+
+    schedule: dict[tuple, set] = {}
+    for group in current_groups:
+        schedule.setdefault(rest(group), set()).add(tuple((k, group[k]) for k in _SCHEDULE_GROUP_KEYS if k in group))
+    for groups in _param_group_lists(opt_state):
+        for group in groups:
+            values = schedule.get(rest(group), set())
+            if len(values) == 1:
+                for key in _SCHEDULE_GROUP_KEYS:
+                    group.pop(key, None)  # absent and None mean the same to Megatron's matching
+                group.update(next(iter(values)))
+
+
+def _param_group_lists(tree):
+    """Every ``param_groups`` list in a (possibly chained) optimizer state dict."""
+    if isinstance(tree, dict):
+        if isinstance(tree.get("param_groups"), list):
+            yield tree["param_groups"]
+        for key, value in tree.items():
+            if key != "param_groups":
+                yield from _param_group_lists(value)
 
 
 def load_mtp_weights(path: str, model) -> None:

@@ -20,6 +20,7 @@ class NumericsError(RuntimeError):
     """Too many consecutive non-finite steps; the CLI prints it on one line and exits with 3."""
 
     exit_code = NUMERICS_EXIT_CODE
+    same_on_every_rank = True  # the ranks agree on every skip: rank 0 alone reports it
 
 
 def agree_on_flags(*flags: bool, device: torch.device) -> list[bool]:

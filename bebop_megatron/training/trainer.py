@@ -37,6 +37,7 @@ from bebop_megatron.training.loss import STAT_ROWS, mtp_loss
 from bebop_megatron.training.monitor import Monitor, peak_memory_gib, step_scalars
 from bebop_megatron.training.optim import build_optimizer, finalize_mtp_grads, wrap_ddp
 from bebop_megatron.training.parallel import setup_parallel
+from bebop_megatron.training.resume import agree_on_start
 from bebop_megatron.training.schedule import run_microbatches
 from bebop_megatron.training.signals import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
 
@@ -114,6 +115,12 @@ class Trainer:
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.rank, self.world = init_distributed(self.device)
         self.log = log if self.rank == 0 else (lambda *a, **k: None)
+        self._comm_device = torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
+        # Rank 0 takes the save.dir lock and picks the checkpoint (comparing its config) before
+        # anything is built or written; every rank gets the same plan or the same error.
+        self.start_plan = agree_on_start(cfg, self.rank)
+        for notice in self.start_plan.notices:
+            self.log(notice)
         self.monitor = Monitor(cfg, self.rank, self.log)  # TensorBoard / wandb on rank 0
         self.preemption = PreemptionHandler().install()
         self.stop_requested = False  # all ranks agree on it at each optimizer step
@@ -134,7 +141,6 @@ class Trainer:
         elif cfg.model.init_checkpoint:
             ckpt.load_model_weights(cfg.model.init_checkpoint, self.model, backbone_only=False)
         self.has_mtp = bool(self.model.mtp_process)
-        self._comm_device = torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
         # Every stage builds the (DDP, optimizer) pair because Megatron aligns param groups
         # across all ranks; on backbone-only stages both are empty and do no communication.
         self.model = wrap_ddp(cfg, self.model)
@@ -154,16 +160,23 @@ class Trainer:
         return {"world": self.world, "tp": p.tensor, "pp": p.pipeline, "ep": p.expert}
 
     def _maybe_resume(self) -> None:
-        if self.cfg.train.resume != "auto":
-            return
-        path = ckpt.latest_checkpoint(self.cfg.save.dir)
+        path = self.start_plan.resume_path  # checked by rank 0: complete, intact, same model and data
         if path is None:
             return
         common = ckpt.read_common_state(path)
         # RNG streams are per rank: they only mean something under the same layout.
-        ckpt.load_training_checkpoint(
-            path, self.model, self.optimizer, restore_rng=common.get("layout") == self._layout()
-        )
+        try:
+            ckpt.load_training_checkpoint(
+                path, self.model, self.optimizer, restore_rng=common.get("layout") == self._layout()
+            )
+        except (ValueError, KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # torch's CheckpointException (a BaseException), a damaged shard, ...
+            failures = getattr(err, "failures", None)
+            if failures:  # {rank: (exception, traceback)}: the first one says what went wrong
+                err = next(iter(failures.values()))[0]
+            reason = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+            raise ValueError(f"cannot load checkpoint {path}: {type(err).__name__}: {reason}") from None
         self.step = common["step"]
         self.consumed_samples = common["consumed_samples"]
         self.guard.total = common.get("skipped_steps", 0)

@@ -3,7 +3,7 @@ with optional faults injected (the tests in tests/distributed/test_crash_*.py an
 tests/test_production_*.py).
 
     python tests/helpers/production_run.py --stream FILE [--nan-steps 2,4] [--crash-in-save N]
-        [--save-model PATH] key=value ...
+        [--disk-full-in-save N] [--save-model PATH] key=value ...
 
 Launched directly, one process per rank (RANK / WORLD_SIZE / MASTER_* set by the test, as srun
 would), so that each rank's exit status and signals are the test's to see. Every rank writes
@@ -14,6 +14,7 @@ every step (``checksum``: the sum of this rank's MTP parameters, to see whether 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--stream", required=True)
     parser.add_argument("--nan-steps", default="", help="steps whose loss is multiplied by NaN")
     parser.add_argument("--crash-in-save", type=int, default=0, help="SIGKILL every rank inside the N-th save")
+    parser.add_argument("--disk-full-in-save", type=int, default=0,
+                        help="the N-th save's shard writes fail with ENOSPC on rank 0 (a full disk)")
     parser.add_argument("--save-model", default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -68,6 +71,26 @@ def main() -> None:
             return real_save(state, directory, *a, **k)
 
         ckpt.dist_checkpointing.save = crashing_save
+
+    if args.disk_full_in_save:
+        import errno
+
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        real_save, real_write, saves = ckpt.dist_checkpointing.save, filesystem_async._write_item, []
+
+        def counting_save(state, directory, *a, **k):
+            saves.append(directory)
+            return real_save(state, directory, *a, **k)
+
+        @functools.wraps(real_write)  # Megatron inspects its signature
+        def full_disk_write(*a, **k):
+            if len(saves) == args.disk_full_in_save and rank == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what write() raises: no file name
+            return real_write(*a, **k)
+
+        ckpt.dist_checkpointing.save = counting_save
+        filesystem_async._write_item = full_disk_write
 
     real_step = trainer.train_step
     mtp = [p for p in trainer.model.parameters() if p.requires_grad]

@@ -1,0 +1,120 @@
+"""Config files and values that used to give a traceback or a misleading message
+(bebop_megatron/config/yaml_file.py, sizes.py, loader.py):
+
+- a YAML file that is a directory, a list, binary, not UTF-8, has a syntax error or a duplicate
+  key: one ``ConfigError`` line naming the file (and the line), exit status 2 from the CLI;
+- every size field out of range (``model.kv_channels=0`` ...): one line naming the field;
+- ``train.resume=yes`` is reported as 'yes', not 'True'; an unquoted ``yes`` in a file's
+  string field says that YAML read a boolean;
+- ``--config FILE`` without ``save.dir`` gets ``checkpoints/<file stem>``, not the quick-start's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bebop_megatron.config import ConfigError, load_config
+from tests.helpers.launch import REPO
+
+BAD_FILES = {
+    "list": (b"- train\n- model\n", "the top level is a list; it must be a mapping of sections"),
+    "duplicate": (b"train:\n  steps: 3\n  lr: 0.1\n  steps: 4\n", "found duplicate key steps at line 4, column 3"),
+    "syntax": (b"train: {steps: 3\nmodel: 1\n", "invalid YAML at line 2, column 6: did not find expected ',' or '}'"),
+    "binary": (b"\x00\x01\x02train: 1\n", "not a text YAML file (control character 0x00 at position 0)"),
+    "not-utf8": (bytes(range(128, 256)), "is not UTF-8 text (byte 0)"),
+    "bool-in-string-field": (b"train:\n  resume: yes\n",
+                             "config field 'train.resume' is a string, but YAML reads the unquoted word as the "
+                             "boolean true (yes/no/on/off/true/false); quote it"),
+}
+
+
+def one_line(excinfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message and excinfo.value.__cause__ is None
+    return message
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_a_bad_yaml_file_is_one_line_naming_it(tmp_path, case):
+    content, expected = BAD_FILES[case]
+    path = tmp_path / f"{case}.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(str(path))
+    message = one_line(excinfo)
+    assert message.startswith(f"config file {path}") and expected in message, message
+
+
+def test_a_directory_as_config_file(tmp_path):
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(str(tmp_path))
+    assert one_line(excinfo) == f"config file {tmp_path} is a directory; give a YAML file (see examples/configs/)"
+
+
+@pytest.mark.parametrize("case", ["list", "duplicate", "binary", "directory"])
+def test_the_cli_prints_one_error_line_and_exits_2(tmp_path, case):
+    path = tmp_path if case == "directory" else tmp_path / f"{case}.yaml"
+    if case != "directory":
+        path.write_bytes(BAD_FILES[case][0])
+    proc = subprocess.run([sys.executable, "examples/pretrain_mtp.py", "--config", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: config file {path}"), proc.stderr[-2000:]
+
+
+SIZES = [
+    ("model.kv_channels=0", "model.kv_channels=0 must be >= 1 (or null)"),
+    ("model.kv_channels=-8", "model.kv_channels=-8 must be >= 1 (or null)"),
+    ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by=0 must be >= 1"),
+    ("model.max_position_embeddings=-1", "model.max_position_embeddings=-1 must be >= 1"),
+    ("model.moe_ffn_hidden_size=0", "model.moe_ffn_hidden_size=0 must be >= 1 (or null)"),
+    ("model.moe_shared_expert_intermediate_size=-1",
+     "model.moe_shared_expert_intermediate_size=-1 must be >= 1 (or null)"),
+    ("model.moe_router_num_groups=0", "model.moe_router_num_groups=0 must be >= 1 (or null)"),
+    ("model.num_experts=-2", "model.num_experts=-2 must be >= 0"),
+    ("model.moe_first_dense_layers=-1", "model.moe_first_dense_layers=-1 must be >= 0"),
+    ("model.norm_epsilon=0", "model.norm_epsilon=0.0 must be > 0"),
+    ("model.rotary_base=-1", "model.rotary_base=-1.0 must be > 0"),
+    ("model.init_method_std=-0.1", "model.init_method_std=-0.1 must be >= 0"),
+    ("model.yarn_original_max_position_embeddings=0", "model.yarn_original_max_position_embeddings=0 must be >= 1"),
+    ("parallel.expert_tensor=0", "parallel.expert_tensor=0 must be >= 1 (or null)"),
+    ("train.adam_beta2=1.5", "train.adam_beta2=1.5 must be < 1"),
+    ("train.adam_eps=0", "train.adam_eps=0.0 must be > 0"),
+    ("train.weight_decay=-1", "train.weight_decay=-1.0 must be >= 0"),
+    ("train.lr=nan", "train.lr=nan must be a finite number"),
+    ("data.markov_branching=0", "data.markov_branching=0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("override, message", SIZES, ids=[s[0] for s in SIZES])
+def test_every_size_field_is_validated(override, message):
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, [override])
+    assert one_line(excinfo) == message
+
+
+def test_booleans_given_to_string_fields_are_reported_as_typed():
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, ["train.resume=yes"])
+    assert one_line(excinfo) == "train.resume='yes' must be one of auto, none"
+    assert load_config(None, ["save.dir=on"]).save.dir == "on"  # a directory called "on"
+    assert load_config(None, ["model.qk_layernorm=yes"]).model.qk_layernorm is True  # real booleans still parse
+
+
+def test_a_config_file_without_save_dir_gets_its_own(tmp_path):
+    from bebop_megatron.cli import parse_config
+
+    path = tmp_path / "my_run.yaml"
+    path.write_text("train:\n  steps: 3\n")
+    assert load_config(str(path)).save.dir == "checkpoints/my_run"
+    # the entry point's embedded quick-start default (checkpoints/tiny) does not apply to a config file
+    assert parse_config(["--config", str(path)], "x", defaults={"save": {"dir": "checkpoints/tiny"}}).save.dir \
+        == "checkpoints/my_run"
+    assert load_config(str(path), ["save.dir=elsewhere"]).save.dir == "elsewhere"
+    path.write_text("save:\n  dir: null\n")
+    assert load_config(str(path)).save.dir is None  # set in the file, even to null
+    assert load_config(None).save.dir == "checkpoints/tiny"  # no file: the schema default
