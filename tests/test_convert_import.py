@@ -65,6 +65,11 @@ def test_import_logits_match_transformers(imported, family):
     text = "Speculative decoding, 42 times."
     source = AutoTokenizer.from_pretrained(str(model_dir / "hf")).encode(text, add_special_tokens=False)
     assert load_tokenizer(cfg).encode(text) == source
+    # The real vocabulary (masked beyond) and the rows that load at TP 1 and 2; K=3 steps by default.
+    hf_config = json.loads((model_dir / "hf" / "config.json").read_text())
+    assert cfg.model.vocab_size == hf_config["vocab_size"]
+    assert cfg.model.padded_vocab_size % 256 == 0 and 0 <= cfg.model.padded_vocab_size - cfg.model.vocab_size < 256
+    assert cfg.mtp.num_steps == 3 and cfg.mtp.num_layers == 1
     assert len(errors) == len(LAYOUTS[family])
     for layout, err in zip(LAYOUTS[family], errors):
         assert err < 1e-4, (layout, err)
@@ -109,9 +114,16 @@ def errors(tmp_path_factory):
     conf = json.loads((d / "config.json").read_text())
     conf["num_key_value_heads"] = 4  # the stored k/v projections have 2 heads
     (d / "config.json").write_text(json.dumps(conf))
+    d = inputs["no_tokenizer"] = _copy(good, root / "no_tokenizer")  # not an error: no data.tokenizer then
+    for name in os.listdir(d):
+        if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template")):
+            (d / name).unlink()
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7}))
     calls = [{"tool": "convert_from_hf", "argv": ["--hf-dir", str(path), "--out", str(root / "out" / name)]}
              for name, path in inputs.items()]
-    return dict(zip(inputs, run_batch(calls, root / "batch")))
+    results = dict(zip(inputs, run_batch(calls, root / "batch")))
+    results["out_dir"] = root / "out"
+    return results
 
 
 def test_error_unknown_architecture(errors):
@@ -128,3 +140,17 @@ def test_error_missing_tensor_and_shape_mismatch(errors):
     assert "model.layers.1.mlp.up_proj.weight is missing" in _error_line(errors["missing_tensor"])
     line = _error_line(errors["shape_mismatch"])
     assert "shapes do not match config.json" in line or "shape mismatch" in line, line
+
+
+def test_generation_config_alone_is_not_a_tokenizer(errors):
+    """A model saved without tokenizer files: bebop_model.yaml leaves data.tokenizer unset
+    (it used to point at a directory holding only generation_config.json, which cannot load)."""
+    from bebop_megatron.config import load_config
+
+    proc = errors["no_tokenizer"]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tokenizer files: none found" in proc.stdout
+    ckpt = str(errors["out_dir"] / "no_tokenizer")
+    cfg = load_config(os.path.join(ckpt, "bebop_model.yaml"), ["device=cpu"])
+    assert cfg.data.tokenizer is None
+    assert os.path.isfile(os.path.join(ckpt, "hf", "generation_config.json"))

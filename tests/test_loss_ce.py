@@ -336,3 +336,25 @@ def test_mtp_loss_targets_are_the_backbone_shifted_by_k(megatron_single_process,
     torch.testing.assert_close(loss_sum.double(), ref_sum, rtol=1e-5, atol=1e-6)
     for row, key in enumerate(STAT_ROWS[3:], start=3):
         torch.testing.assert_close(stats[row].double(), ref_stats[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_mtp_ce_loss_excludes_padded_vocabulary(megatron_single_process):
+    """Megatron's zero output rows past ``vocab_size`` (logit 0) are out of the CE's softmax
+    and of the statistics: equal to the reference on the unpadded vocabulary."""
+    B, S, H, V, K = 2, 11, 8, 13, 3
+    hidden_64, weight_64, batch = _make_case(B, S, H, V, K, seed=7)
+    padded = torch.cat([weight_64, weight_64.new_zeros(19, H)])  # 13 real tokens in 32 rows
+    hidden = hidden_64.float().requires_grad_(True)
+    loss_sum, count, stats = mtp_ce_loss(StandInModel(padded.float()), hidden, batch, K, megatron_single_process,
+                                         vocab_size=V)
+    _, _, unpadded_stats = mtp_ce_loss(StandInModel(weight_64.float()), hidden.detach(), batch, K,
+                                       megatron_single_process)
+    ref_hidden = hidden_64.clone().requires_grad_(True)
+    ref_sum, ref_count, ref_stats = reference_loss(ref_hidden, weight_64, batch.labels, batch.loss_mask, K)
+    assert int(count) == ref_count
+    torch.testing.assert_close(loss_sum.double(), ref_sum.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats[0].double(), ref_stats[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(stats, unpadded_stats, rtol=1e-5, atol=1e-5)  # alpha, H(p), ... as unpadded
+    (loss_sum / count).backward()
+    (ref_sum / ref_count).backward()
+    torch.testing.assert_close(hidden.grad.double(), ref_hidden.grad, rtol=1e-4, atol=1e-6)

@@ -22,7 +22,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-dir", required=True, help="Hugging Face model directory (config.json, *.safetensors)")
     p.add_argument("--out", required=True, help="output Megatron distributed checkpoint directory")
     p.add_argument("--mtp-num-steps", type=int, default=None,
-                   help="MTP steps K of the training config (default: the checkpoint's MTP layers, or 1)")
+                   help="MTP steps K of the training config: train as many as the heads will draft when served "
+                        "(default: the checkpoint's MTP layers when it has several, otherwise 3, one layer reused)")
     p.add_argument("--mtp-init", choices=("random", "copy_last_layer"), default="random",
                    help="MTP layers of a model without them: Megatron's random init, or the last "
                         "backbone layer (and final norm) copied into the MTP decoder layer")

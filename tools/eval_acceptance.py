@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--scatter-points", type=int, default=2000,
                         help="(step, position) points in the RS-vs-TO scatter plot (default 2000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the simulated chains")
+    parser.add_argument("--positions-out", default=None, metavar="FILE",
+                        help="also save the per-position alpha_RS, alpha_TO, H(p) and chain mask ([K, N] per "
+                             "temperature, torch.save) for bootstrap intervals over positions")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if any(not t > 0 for t in args.temperatures):
@@ -141,8 +144,10 @@ def load_model(cfg, ckpt_path: str, device: str):
 # ----------------------------------------------------------------------------- evaluation
 
 
-def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budget, generator, device):
-    """Add one micro-batch to ``report``; returns the number of positions simulated."""
+def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budget, generator, device, vocab_size):
+    """Add one micro-batch to ``report``; returns the number of positions simulated.
+
+    Columns from ``vocab_size`` on (Megatron's vocabulary padding) are excluded everywhere."""
     import torch
 
     from bebop_megatron.data import attention_mask
@@ -174,14 +179,14 @@ def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budge
         draft_logits, target_logits = draft_KNH[:, idx] @ weight_VH.t(), target_KNH[:, idx] @ weight_VH.t()
         for ti, tau in enumerate(report.temperatures):
             rows = acceptance_rows(draft_logits, target_logits, tp_group=tp_group, target_temperature=tau,
-                                   draft_temperature=tau)
+                                   draft_temperature=tau, vocab_size=vocab_size)
             report.add_rows(ti, rows, chain_KN[:, idx], labels_KN[:, idx])
 
     G = report.G
     sim_idx = chain_KN[G - 1].nonzero(as_tuple=True)[0][:sim_budget]
     if len(sim_idx):
-        draft_logits = _gather_vocab(draft_KNH[:G, sim_idx] @ weight_VH.t(), tp_group)  # [G, n, V]
-        target_logits = _gather_vocab(target_KNH[:G, sim_idx] @ weight_VH.t(), tp_group)
+        draft_logits = _gather_vocab(draft_KNH[:G, sim_idx] @ weight_VH.t(), tp_group)[..., :vocab_size]  # [G, n, V]
+        target_logits = _gather_vocab(target_KNH[:G, sim_idx] @ weight_VH.t(), tp_group)[..., :vocab_size]
         for ti, tau in enumerate(report.temperatures):
             q = torch.softmax(draft_logits.double() / tau, -1).transpose(0, 1).contiguous()
             p = torch.softmax(target_logits.double() / tau, -1).transpose(0, 1).contiguous()
@@ -208,7 +213,6 @@ def evaluate(args) -> dict | None:
     from bebop_megatron.data import build_valid_dataset, eval_batches
     from bebop_megatron.metrics.plots import write_all
     from bebop_megatron.metrics.report import AcceptanceReport
-    from bebop_megatron.model import padded_vocab_size
     from bebop_megatron.platform import init_distributed, resolve_device
     from bebop_megatron.training.parallel import setup_parallel
 
@@ -231,10 +235,11 @@ def evaluate(args) -> dict | None:
     dp_group = parallel_state.get_data_parallel_group()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     num_rows = len(dataset) if args.max_rows <= 0 else min(args.max_rows, len(dataset))
-    max_entropy = math.log(padded_vocab_size(cfg))
+    max_entropy = math.log(cfg.model.vocab_size)  # the padded columns are excluded
     num_bins = max(1, math.ceil(max_entropy / args.entropy_bin_width))
     edges = [min(i * args.entropy_bin_width, max_entropy) for i in range(num_bins + 1)]
-    report = AcceptanceReport(args.temperatures, K, gamma, edges, num_scatter=args.scatter_points if rank == 0 else 0)
+    report = AcceptanceReport(args.temperatures, K, gamma, edges, num_scatter=args.scatter_points if rank == 0 else 0,
+                              keep_positions=bool(args.positions_out))
     generator = torch.Generator(device=comm).manual_seed(args.seed + 1000 * dp_rank)
     sim_left = args.sim_positions
     batches = eval_batches(dataset, num_rows=num_rows, global_batch_size=args.micro_batch_size * dp_size,
@@ -243,10 +248,13 @@ def evaluate(args) -> dict | None:
     for micro in tqdm(batches, total=total, desc="eval", unit="batch", disable=args.no_progress or rank != 0):
         for batch in micro:
             sim_left -= micro_batch_statistics(model, batch, report, args, K=K, tp_group=tp_group, sim_budget=sim_left,
-                                               generator=generator, device=comm)
+                                               generator=generator, device=comm, vocab_size=cfg.model.vocab_size)
     report.reduce(dp_group)
+    positions = report.position_rows(dp_group) if args.positions_out else None
     if rank != 0:
         return None
+    if positions is not None:
+        torch.save(positions, args.positions_out)
     per_t = report.summary()
     ref = min(args.temperatures, key=lambda t: abs(t - 1.0))
     plots = write_all(per_t, report.scatter[args.temperatures.index(ref)], f"{ref:g}", args.out_dir)

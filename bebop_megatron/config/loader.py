@@ -154,6 +154,12 @@ def validate(cfg: Config) -> None:
         _positive(getattr(m, name), f"model.{name}")
     for name in ("tensor", "pipeline", "expert", "context"):
         _positive(getattr(p, name), f"parallel.{name}")
+    if m.padded_vocab_size is not None:
+        if m.padded_vocab_size < m.vocab_size or m.padded_vocab_size % p.tensor:
+            raise ConfigError(
+                f"model.padded_vocab_size={m.padded_vocab_size} must be >= model.vocab_size={m.vocab_size} "
+                f"and divisible by parallel.tensor={p.tensor}"
+            )
     for name in ("steps", "micro_batch_size", "global_batch_size", "seq_length"):
         _positive(getattr(t, name), f"train.{name}")
     _positive(mtp.num_layers, "mtp.num_layers")

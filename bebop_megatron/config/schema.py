@@ -25,8 +25,15 @@ class ModelConfig:
     kv_channels: Optional[int] = None
     """Head dimension; default ``hidden_size // num_attention_heads``."""
     vocab_size: int = 512
-    """Tokenizer vocabulary; padded up to ``make_vocab_size_divisible_by * TP``."""
+    """The model's real vocabulary (a Hugging Face config's ``vocab_size``): token ids
+    ``0 .. vocab_size-1``. The embedding and output layer are padded beyond it (see
+    ``padded_vocab_size``); the loss, the acceptance statistics and evaluation mask the
+    padded columns to -inf, as the serving engines never sample them."""
     make_vocab_size_divisible_by: int = 128
+    padded_vocab_size: Optional[int] = None
+    """Rows of the embedding and output layer. Default: ``vocab_size`` rounded up to a
+    multiple of ``make_vocab_size_divisible_by * TP``. An import sets it (a multiple of
+    ``make_vocab_size_divisible_by * 8``) so that one checkpoint loads at every TP dividing 8."""
     max_position_embeddings: int = 4096
     rotary_base: float = 10000.0
     norm_epsilon: float = 1e-6

@@ -250,7 +250,8 @@ def model_overrides(hf: HFModel, vocab_rows: int, divisible_by: int) -> dict:
         "num_attention_heads": layer.num_heads,
         "num_query_groups": layer.num_kv_heads,
         "kv_channels": layer.head_dim,
-        "vocab_size": vocab_rows,
+        "vocab_size": hf.vocab_size,  # the real vocabulary: the padded rows are masked in the loss
+        "padded_vocab_size": vocab_rows,
         "make_vocab_size_divisible_by": divisible_by,
         "max_position_embeddings": c.get("max_position_embeddings", 4096),
         "rotary_base": _rope(c)[0],

@@ -16,8 +16,10 @@ INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-    "generation_config.json",
 )
+# Without one of these no tokenizer loads from the directory (the others only add to it).
+TOKENIZER_CORE_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
+EXTRA_FILES = ("generation_config.json",)  # copied too, but not a tokenizer
 
 
 class HFWeights:
@@ -97,7 +99,14 @@ def read_all(out_dir: str) -> dict[str, torch.Tensor]:
 
 
 def copy_tokenizer(src: str, dst: str) -> list[str]:
+    """Copy the tokenizer files (and generation_config.json) of ``src``; returns the tokenizer
+    files copied, empty when ``src`` has none that a tokenizer can load from."""
     os.makedirs(dst, exist_ok=True)
+    for name in EXTRA_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+    if not any(os.path.isfile(os.path.join(src, name)) for name in TOKENIZER_CORE_FILES):
+        return []
     copied = []
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(src, name)):

@@ -20,6 +20,7 @@ from bebop_megatron.convert.hf_io import HFWeights, copy_tokenizer, write_json
 from bebop_megatron.convert.layers import layer_to_megatron
 
 MTP_INITS = ("random", "copy_last_layer")
+DEFAULT_MTP_STEPS = 3  # the gamma the heads are usually served with (the paper evaluates gamma = 3)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -84,7 +85,8 @@ def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = No
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "metadata.json")):
         raise ConvertError(f"--out {out_dir} exists and is not a Megatron checkpoint; refusing to overwrite it")
     num_mtp = hf.num_mtp_layers or 1
-    steps = mtp_num_steps or num_mtp
+    # One MTP layer (imported or new) is reused for every step; several distinct layers run one step each.
+    steps = mtp_num_steps or (num_mtp if num_mtp > 1 else DEFAULT_MTP_STEPS)
     if num_mtp > 1 and steps != num_mtp:
         raise ConvertError(f"the checkpoint has {num_mtp} MTP layers: --mtp-num-steps must be {num_mtp}")
     rows = padded_vocab(hf.vocab_size, make_vocab_size_divisible_by, max_tensor_parallel)
@@ -122,8 +124,12 @@ def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = No
     with open(os.path.join(out_dir, "bebop_model.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create(sections)))
     mtp_from = "imported" if hf.num_mtp_layers else ("copied from the last layer" if mtp_init != "random" else "random")
-    log(f"wrote {out_dir}: {hf.family}, {hf.num_layers} layers, vocabulary {hf.vocab_size} -> {rows} rows, "
-        f"{num_mtp} MTP layer(s) ({mtp_from}); tokenizer files: {', '.join(copied) or 'none found'}")
+    log(f"wrote {out_dir}: {hf.family}, {hf.num_layers} layers, vocabulary {hf.vocab_size} -> {rows} rows "
+        f"(the padded rows are masked in the loss), {num_mtp} MTP layer(s) ({mtp_from}); "
+        f"tokenizer files: {', '.join(copied) or 'none found (set data.tokenizer yourself)'}")
+    log(f"mtp.num_steps={steps} in bebop_model.yaml"
+        + ("" if mtp_num_steps else " (the default: train as many steps as the heads will draft when served; "
+                                    "change it with --mtp-num-steps)"))
     log(f"train with: model.backbone_checkpoint={out_dir} (or model.init_checkpoint to keep its MTP weights) "
         f"and the model/mtp{'/data.tokenizer' if copied else ''} settings of "
         f"{os.path.join(out_dir, 'bebop_model.yaml')}")

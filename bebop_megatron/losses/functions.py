@@ -41,6 +41,7 @@ class DivergenceOptions:
     with_stats: bool = False
     grad_in_forward: bool = False
     impl: str = "torch"  # the chunk kernel: "torch" (kernel_torch) or "triton" (kernel_triton, CUDA)
+    vocab_size: int | None = None  # global columns >= vocab_size are Megatron's padding: logits -inf
 
 
 def row_kernel(impl: str):

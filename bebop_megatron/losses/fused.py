@@ -28,6 +28,9 @@ Alive at once: the chunk's backbone logits ((c + K - 1) x B x V), one step's dra
 rows (the kernel runs on that many rows at a time), whatever S is; saved for backward:
 ``u`` (``K x S x B x H``, one draft-hidden-state-sized tensor).
 
+Columns at and beyond ``opts.vocab_size`` (Megatron's vocabulary padding) get logit -inf
+in both distributions as soon as a chunk's logits exist (:mod:`bebop_megatron.losses.vocab`).
+
 Positions past the end of the sequence (s + k >= S) read zero hidden states (uniform
 target, finite); their steps are invalid, so they get zero gradient.
 
@@ -44,6 +47,7 @@ import torch
 
 from bebop_megatron.losses.functions import DivergenceOptions, row_kernel
 from bebop_megatron.losses.kernel_torch import STAT_KEYS, Workspace, compute_dtype
+from bebop_megatron.losses.vocab import mask_padded_vocab_
 
 TOP1 = "top1"  # extra stat row when labels are given: 1 where argmax q is the data token
 KERNEL_BLOCKS = 8  # the elementwise kernel runs on chunk_tokens / KERNEL_BLOCKS rows at a time
@@ -84,8 +88,10 @@ class FusedLinearDivergence(torch.autograd.Function):
                 b = min(a + positions, S)
                 c = b - a
                 target_cKBV = backbone_pad[a + 1 : b + K] @ weight_VH.t()  # shared by the K steps
+                mask_padded_vocab_(target_cKBV, opts.vocab_size, opts.tp_group)
                 for k in range(1, K + 1):
                     draft_RV = (h_draft_KSBH[k - 1, a:b] @ weight_VH.t()).view(c * B, V)
+                    mask_padded_vocab_(draft_RV, opts.vocab_size, opts.tp_group)  # their gradient is then 0
                     target_RV = target_cKBV[k - 1 : k - 1 + c].view(c * B, V)
                     for rows in _blocks(c * B, max(1, opts.chunk_tokens // KERNEL_BLOCKS)):
                         out = kernel.forward_rows(

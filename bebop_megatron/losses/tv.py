@@ -23,6 +23,7 @@ import torch
 
 from bebop_megatron.losses.functions import DEFAULT_CHUNK_TOKENS, DivergenceOptions, E2EChain, VocabDivergence
 from bebop_megatron.losses.kernel_torch import STAT_KEYS
+from bebop_megatron.losses.vocab import masked_padded_vocab
 
 ACCEPT_LEN_KEYS = ("accept_len_rs", "accept_len_to")
 
@@ -51,9 +52,11 @@ def _check_common(impl: str, target_temperature: float, draft_temperature: float
 
 
 def _options(kind, valid, shape_KN, *, tp_group, target_temperature, draft_temperature, reduction,
-             chunk_tokens, return_stats, grad_in_forward=False, impl) -> DivergenceOptions:
+             chunk_tokens, return_stats, grad_in_forward=False, impl, vocab_size=None) -> DivergenceOptions:
     """Checks shared by every entry point; the kernel options of the objective ``kind``."""
     _check_common(impl, target_temperature, draft_temperature, chunk_tokens)
+    if vocab_size is not None and not (isinstance(vocab_size, int) and vocab_size >= 1):
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if tuple(valid.shape) != tuple(shape_KN):
@@ -61,7 +64,7 @@ def _options(kind, valid, shape_KN, *, tp_group, target_temperature, draft_tempe
     return DivergenceOptions(
         kind="tv" if kind == "e2e_tv" else kind, target_temperature=float(target_temperature),
         draft_temperature=float(draft_temperature), tp_group=tp_group, chunk_tokens=chunk_tokens,
-        with_stats=return_stats, grad_in_forward=grad_in_forward, impl=impl,
+        with_stats=return_stats, grad_in_forward=grad_in_forward, impl=impl, vocab_size=vocab_size,
     )
 
 
@@ -72,7 +75,10 @@ def _objective(kind, draft_logits, target_logits, valid, *, reduction, return_st
             f"and {tuple(target_logits.shape)}"
         )
     opts = _options(kind, valid, draft_logits.shape[:2], reduction=reduction, return_stats=return_stats, **options)
-    value_KN, stats_CKN = VocabDivergence.apply(draft_logits, target_logits.detach(), opts)
+    # Megatron's padded columns out (a copy only when this shard has some).
+    draft_logits = masked_padded_vocab(draft_logits, opts.vocab_size, opts.tp_group)
+    target_logits = masked_padded_vocab(target_logits.detach(), opts.vocab_size, opts.tp_group)
+    value_KN, stats_CKN = VocabDivergence.apply(draft_logits, target_logits, opts)
     return _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats)
 
 
@@ -125,6 +131,9 @@ _COMMON_DOC = """
             (one more logits-sized buffer) instead of recomputing the softmaxes in backward.
         impl: "torch" (chunked plain torch, the CPU default) or "triton" (the Triton kernels of
             ``kernel_triton``, tiled over the vocabulary; CUDA tensors).
+        vocab_size: the model's real vocabulary; global columns ``>= vocab_size`` (Megatron's
+            padding) get logit -inf in both distributions, i.e. the objective is that of
+            ``logits[..., :vocab_size]`` (None: every column is a token).
 
     Returns the scalar loss in the compute dtype (float32, or float64 for float64 logits),
     differentiable w.r.t. ``draft_logits`` only; ``(loss, stats)`` with ``return_stats``.
@@ -148,7 +157,7 @@ OBJECTIVE_KINDS = ("e2e_tv", "tv", "kl", "reverse_kl")
 
 def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *, labels=None, tp_group=None,
                            target_temperature=1.0, draft_temperature=1.0, reduction="mean",
-                           chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False, impl="torch"):
+                           chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False, impl="torch", vocab_size=None):
     """An objective computed from hidden states through the output projection, chunked.
 
     Plain-torch equivalent (what it computes, without ever holding all logits)::
@@ -157,7 +166,8 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
         z = backbone_hidden @ weight.T                              # [S, B, V_local], detached
         target_logits = stack([z[k:] padded to S for k in 1..K])    # step k's target is z[s + k]
         valid = valid & (s + k < S)                                 # past the end: invalid
-        OBJECTIVES[kind](draft_logits.flatten(1, 2), target_logits.flatten(1, 2), valid.flatten(1), ...)
+        OBJECTIVES[kind](draft_logits.flatten(1, 2), target_logits.flatten(1, 2), valid.flatten(1),
+                         vocab_size=vocab_size, ...)
 
     ``draft_hidden``: ``[K, S, B, H]``, the K MTP steps' hidden states (row k-1 is step k);
     ``backbone_hidden``: ``[S, B, H]``, the frozen backbone's final hidden states (one
@@ -188,7 +198,7 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
     opts = _options(
         kind, valid, (K, S, B), tp_group=tp_group, target_temperature=target_temperature,
         draft_temperature=draft_temperature, reduction=reduction, chunk_tokens=chunk_tokens,
-        return_stats=return_stats, impl=impl,
+        return_stats=return_stats, impl=impl, vocab_size=vocab_size,
     )
     inside = torch.arange(S, device=valid.device)[None, :] + torch.arange(1, K + 1, device=valid.device)[:, None] < S
     valid_KN = (valid.bool() & inside[..., None]).flatten(1)
@@ -209,11 +219,11 @@ def _entry_point(kind: str, name: str):
 
     def loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
              draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
-             grad_in_forward=False, impl="torch"):
+             grad_in_forward=False, impl="torch", vocab_size=None):
         return _objective(kind, draft_logits, target_logits, valid, tp_group=tp_group,
                           target_temperature=target_temperature, draft_temperature=draft_temperature,
                           reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
-                          grad_in_forward=grad_in_forward, impl=impl)
+                          grad_in_forward=grad_in_forward, impl=impl, vocab_size=vocab_size)
 
     loss.__name__ = loss.__qualname__ = name
     return loss

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from bebop_megatron.losses import chain_mask
 from bebop_megatron.losses.functions import DEFAULT_CHUNK_TOKENS, row_kernel
+from bebop_megatron.losses.vocab import mask_padded_vocab_
 from bebop_megatron.losses.kernel_torch import Workspace, compute_dtype
 
 ROW_KEYS = ("alpha_rs", "alpha_to", "entropy_target", "entropy_draft", "kl")  # = losses.STAT_KEYS
@@ -29,12 +30,14 @@ STAT_KEYS = (*ROW_KEYS, "accept_len_rs", "accept_len_to")
 
 
 def acceptance_rows(draft_logits, target_logits, *, tp_group=None, target_temperature=1.0, draft_temperature=1.0,
-                    chunk_tokens=DEFAULT_CHUNK_TOKENS, impl="torch") -> dict[str, torch.Tensor]:
+                    chunk_tokens=DEFAULT_CHUNK_TOKENS, impl="torch", vocab_size=None) -> dict[str, torch.Tensor]:
     """Per-row statistics ``[K, N]`` (``ROW_KEYS``) and ``argmax_draft`` (global index of argmax q,
     lowest on ties), computed without gradients in float32 (float64 for float64 logits).
 
     ``draft_logits``, ``target_logits``: ``[K, N, V_local]`` (any leading shape works), the
-    vocabulary sharded over ``tp_group``; every rank returns the same values.
+    vocabulary sharded over ``tp_group``; every rank returns the same values. ``vocab_size``:
+    the model's real vocabulary; the statistics are those of ``logits[..., :vocab_size]``
+    (Megatron's padded columns get logit -inf; None: every column is a token).
     """
     if draft_logits.shape != target_logits.shape or draft_logits.dim() < 2:
         raise ValueError(
@@ -55,8 +58,12 @@ def acceptance_rows(draft_logits, target_logits, *, tp_group=None, target_temper
     with torch.no_grad():
         for start in range(0, num_rows, chunk_tokens):
             rows = slice(start, min(start + chunk_tokens, num_rows))
+            draft, target = draft_RV[rows], target_RV[rows]
+            if vocab_size is not None:  # masked copies of this chunk; the caller's logits stay as they are
+                draft = mask_padded_vocab_(draft.clone(), vocab_size, tp_group)
+                target = mask_padded_vocab_(target.clone(), vocab_size, tp_group)
             out = kernel.forward_rows(
-                draft_RV[rows], target_RV[rows], kind="tv", target_temperature=float(target_temperature),
+                draft, target, kind="tv", target_temperature=float(target_temperature),
                 draft_temperature=float(draft_temperature), tp_group=tp_group, with_stats=True, with_grad=False,
                 ws=ws,
             )
@@ -122,7 +129,7 @@ def means_of(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def acceptance_stats(draft_logits, target_logits, valid, *, tp_group=None, dp_group=None, labels=None,
                      target_temperature=1.0, draft_temperature=1.0, chunk_tokens=DEFAULT_CHUNK_TOKENS,
-                     impl="torch") -> dict[str, torch.Tensor]:
+                     impl="torch", vocab_size=None) -> dict[str, torch.Tensor]:
     """Per-MTP-step acceptance statistics, each a ``[K]`` tensor averaged over the positions
     whose chain reaches that step (see the module docstring for the plain-torch equivalent).
 
@@ -134,6 +141,8 @@ def acceptance_stats(draft_logits, target_logits, valid, *, tp_group=None, dp_gr
         dp_group: sums and counts are all-reduced over it (data-parallel ranks holding other
             positions; do not include ranks holding other vocabulary shards of the same rows).
         labels: optional ``[K, N]`` global token ids (step k's data token); adds ``top1``.
+        vocab_size: the model's real vocabulary (columns from it on are Megatron's padding,
+            excluded); None: every column is a token.
 
     Returns ``alpha_rs`` (sum_v min(p, q)), ``alpha_to`` (p(argmax q), ties to the lowest
     index), ``entropy_target`` H(p), ``entropy_draft`` H(q), ``kl`` KL(p||q),
@@ -151,6 +160,7 @@ def acceptance_stats(draft_logits, target_logits, valid, *, tp_group=None, dp_gr
     if labels is not None and tuple(labels.shape) != tuple(valid.shape):
         raise ValueError(f"labels must be [K, N] = {tuple(valid.shape)}, got {tuple(labels.shape)}")
     rows = acceptance_rows(draft_logits, target_logits, tp_group=tp_group, target_temperature=target_temperature,
-                           draft_temperature=draft_temperature, chunk_tokens=chunk_tokens, impl=impl)
+                           draft_temperature=draft_temperature, chunk_tokens=chunk_tokens, impl=impl,
+                           vocab_size=vocab_size)
     sums = acceptance_sums(rows, valid.to(draft_logits.device), labels)
     return means_of(reduce_sums(sums, dp_group))

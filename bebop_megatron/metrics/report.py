@@ -34,7 +34,8 @@ MOMENTS = ("n", "sx", "sxx", "sy_rs", "sxy_rs", "sy_to", "sxy_to")
 
 
 class AcceptanceReport:
-    def __init__(self, temperatures, num_steps: int, gamma: int, entropy_edges, num_scatter: int = 2000):
+    def __init__(self, temperatures, num_steps: int, gamma: int, entropy_edges, num_scatter: int = 2000,
+                 keep_positions: bool = False):
         if not 1 <= gamma <= num_steps:
             raise ValueError(f"gamma must be in 1..{num_steps} (the checkpoint's MTP steps), got {gamma}")
         self.temperatures = [float(t) for t in temperatures]
@@ -48,6 +49,9 @@ class AcceptanceReport:
         self.sim = torch.zeros(T, 3, gamma, **f64)  # chains, accepted RS, accepted TO (per gamma)
         self.num_scatter = num_scatter
         self.scatter = [[] for _ in range(T)]
+        # Per-position rows (for bootstrap intervals over positions): [K, n] chunks per temperature.
+        self.keep_positions = keep_positions
+        self.positions = [[] for _ in range(T)]
 
     # ------------------------------------------------------------------ updates
 
@@ -68,6 +72,9 @@ class AcceptanceReport:
         wins = (rows["alpha_rs"] > rows["alpha_to"]).double()
         for c, w in enumerate((chain, a_rs, a_to, wins * chain)):
             self.bins[ti, c].scatter_add_(1, index, w)
+        if self.keep_positions:
+            self.positions[ti].append({"chain": chain_Kn.clone(),
+                                       **{k: rows[k].float().clone() for k in ("alpha_rs", "alpha_to", "entropy_target")}})
         room = self.num_scatter - len(self.scatter[ti])
         if room > 0:
             k_idx, t_idx = chain_Kn.nonzero(as_tuple=True)
@@ -93,6 +100,22 @@ class AcceptanceReport:
             self.sim[ti, 0] += n
             self.sim[ti, 1] += torch.minimum(num_rs[:, None], g).sum(0).double().cpu()
             self.sim[ti, 2] += torch.minimum(num_to[:, None], g).sum(0).double().cpu()
+
+    def position_rows(self, group=None) -> dict:
+        """``{temperature key: {"chain", "alpha_rs", "alpha_to", "entropy_target": [K, N]}}`` over
+        every position added (gathered from ``group``'s ranks; needs ``keep_positions``)."""
+        parts = self.positions
+        if group is not None and dist.get_world_size(group) > 1:
+            gathered = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, parts, group=group)
+            parts = [[chunk for rank_parts in gathered for chunk in rank_parts[ti]] for ti in range(len(parts))]
+        out = {}
+        for ti, tau in enumerate(self.temperatures):
+            chunks = parts[ti]
+            keys = ("chain", "alpha_rs", "alpha_to", "entropy_target")
+            out[_key(tau)] = {k: torch.cat([c[k] for c in chunks], dim=1) if chunks else torch.zeros(self.K, 0)
+                              for k in keys}
+        return out
 
     def reduce(self, group) -> None:
         """Sum every accumulator over ``group`` (the data-parallel ranks)."""

@@ -98,6 +98,8 @@ def use_transformer_engine(cfg: Config, device: str) -> bool:
 
 def padded_vocab_size(cfg: Config) -> int:
     """Vocabulary padded so that every TP rank holds an equal, aligned shard."""
+    if cfg.model.padded_vocab_size:
+        return cfg.model.padded_vocab_size
     multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor
     return -(-cfg.model.vocab_size // multiple) * multiple
 

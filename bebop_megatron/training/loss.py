@@ -22,6 +22,7 @@ from megatron.core import tensor_parallel
 from bebop_megatron.config import LossConfig
 from bebop_megatron.data import Batch
 from bebop_megatron.losses import ACCEPT_LEN_KEYS, STAT_KEYS, chain_mask, fused_linear_objective
+from bebop_megatron.losses.vocab import masked_padded_vocab
 
 STAT_ROWS = ("ce_sum", "top1_correct", "count", *STAT_KEYS, *ACCEPT_LEN_KEYS)
 
@@ -75,7 +76,8 @@ def output_weight_of(model) -> torch.Tensor:
     return weight if weight is not None else model.output_layer.weight
 
 
-def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: LossConfig):
+def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: LossConfig,
+             vocab_size: int | None = None):
     """Returns ``(loss_sum, num_positions, stats)``; ``stats`` is ``[len(STAT_ROWS), K]`` sums.
 
     ``loss_cfg.type``: ``ce`` (data tokens, through Megatron's output layer and vocab-parallel
@@ -83,6 +85,8 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     frozen backbone (``e2e_tv``, ``tv``, ``kl``, ``reverse_kl``), fused with the output
     projection: no full logits tensor is ever held. The acceptance statistics (alpha_RS,
     alpha_TO, entropies, KL) are computed for every objective, so runs compare directly.
+    ``vocab_size`` (``model.vocab_size``): columns from it on are Megatron's vocabulary
+    padding; every objective and statistic excludes them (logit -inf).
     """
     K = num_steps
     chunks = torch.chunk(hidden, 1 + K, dim=0)
@@ -102,7 +106,7 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     kwargs = dict(
         labels=data_targets_KSB, tp_group=tp_group, target_temperature=loss_cfg.target_temperature,
         draft_temperature=loss_cfg.draft_temperature, reduction="sum",
-        chunk_tokens=loss_cfg.chunk_tokens, return_stats=True, impl=loss_cfg.impl,
+        chunk_tokens=loss_cfg.chunk_tokens, return_stats=True, impl=loss_cfg.impl, vocab_size=vocab_size,
     )
     args = (objective, draft_KSBH, backbone_SBH, weight_VH, valid_KSB)
     if loss_cfg.type == "ce":
@@ -111,6 +115,7 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
         per_position_SB = torch.zeros(labels_SB.shape, dtype=torch.float32, device=hidden.device)
         for k in range(1, K + 1):
             logits_SBV, _ = model.output_layer(chunks[k], weight=model.output_weight())
+            logits_SBV = masked_padded_vocab(logits_SBV, vocab_size, tp_group)
             valid_SB = valid_KSB[k - 1].float()
             ce_SB = tensor_parallel.vocab_parallel_cross_entropy(logits_SBV.float(), data_targets_KSB[k - 1])
             per_position_SB = per_position_SB + ce_SB * valid_SB
@@ -124,6 +129,6 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     return loss_sum.float(), num_positions, stats
 
 
-def mtp_ce_loss(model, hidden, batch: Batch, num_steps: int, tp_group):
+def mtp_ce_loss(model, hidden, batch: Batch, num_steps: int, tp_group, vocab_size: int | None = None):
     """:func:`mtp_loss` with Megatron-style cross-entropy on the data tokens."""
-    return mtp_loss(model, hidden, batch, num_steps, tp_group, LossConfig(type="ce"))
+    return mtp_loss(model, hidden, batch, num_steps, tp_group, LossConfig(type="ce"), vocab_size=vocab_size)

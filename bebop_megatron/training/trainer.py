@@ -68,7 +68,7 @@ def per_step(values) -> str:
     return " ".join(f"{v:.3f}" for v in values)
 
 
-def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device, loss_cfg):
+def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device, loss_cfg, vocab_size: int):
     batch = next(data_iterator)
     # Packed rows: causal attention within each document (None: plain causal). Rotary
     # embeddings are relative, so the row's running positions give each document the same
@@ -82,7 +82,8 @@ def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device,
 
     def loss_func(hidden):
         loss_sum, count, stats = mtp_loss(
-            unwrapped, hidden, batch, num_steps, parallel_state.get_tensor_model_parallel_group(), loss_cfg
+            unwrapped, hidden, batch, num_steps, parallel_state.get_tensor_model_parallel_group(), loss_cfg,
+            vocab_size=vocab_size,
         )
         return loss_sum, count, {"loss_sum": loss_sum.detach(), "count": count, "stats": stats}
 
@@ -213,7 +214,7 @@ class Trainer:
         return run_microbatches(
             forward_step_func=functools.partial(
                 _forward_step, num_steps=self.cfg.mtp.num_steps, device=self._comm_device,
-                loss_cfg=self.cfg.loss,
+                loss_cfg=self.cfg.loss, vocab_size=self.cfg.model.vocab_size,
             ),
             data_iterator=iter(micro_batches),
             model=self.model,

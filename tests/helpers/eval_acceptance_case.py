@@ -55,11 +55,13 @@ def main() -> None:
     for first in (0, 4):
         batch = make_batch(dataset, list(range(first, first + 4)))
         tool.micro_batch_statistics(model, batch, report, SimpleNamespace(chunk_positions=50, sim_trials=1), K=K,
-                                    tp_group=tp_group, sim_budget=0, generator=None, device=torch.device("cpu"))
+                                    tp_group=tp_group, sim_budget=0, generator=None, device=torch.device("cpu"),
+                                    vocab_size=cfg.model.vocab_size)
         mask = attention_mask(batch.segment_ids)
         with torch.no_grad():
             hidden = model(batch.tokens, batch.position_ids, mask)
-            _, _, stats = mtp_loss(model, hidden, batch, K, tp_group, LossConfig(type="e2e_tv"))
+            _, _, stats = mtp_loss(model, hidden, batch, K, tp_group, LossConfig(type="e2e_tv"),
+                                   vocab_size=cfg.model.vocab_size)
         want += stats.double()
     got = dict(zip(SUM_KEYS, report.sums[0]))
     ref = dict(zip(STAT_ROWS, want))

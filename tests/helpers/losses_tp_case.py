@@ -52,7 +52,9 @@ def gather_vocab(shard: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def compare_objective(kind, dtype, group, **kw) -> dict:
+def compare_objective(kind, dtype, group, vocab_size=None, **kw) -> dict:
+    """TP=2 against TP=1; with ``vocab_size`` (Megatron's padding from there on), against TP=1
+    on the unpadded logits ``[..., :vocab_size]`` (zero gradient on the padded columns)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     draft, target, valid = make_inputs(dtype)
     num_local = V // world
@@ -60,12 +62,14 @@ def compare_objective(kind, dtype, group, **kw) -> dict:
     fn = OBJECTIVES[kind]
     common = dict(target_temperature=TEMPS[0], draft_temperature=TEMPS[1], return_stats=True, **kw)
 
-    full = draft.clone().requires_grad_()
-    want_loss, want_stats = fn(full, target, valid, **common)
+    real = slice(0, vocab_size or V)
+    full = draft[..., real].clone().requires_grad_()
+    want_loss, want_stats = fn(full, target[..., real], valid, **common)
     (want_grad,) = torch.autograd.grad(GRAD_OUT * want_loss, full)
+    want_grad = torch.cat([want_grad, want_grad.new_zeros((K, N, V - want_grad.shape[-1]))], dim=-1)
 
     shard = draft[..., cols].clone().requires_grad_()
-    loss, stats = fn(shard, target[..., cols].contiguous(), valid, tp_group=group, **common)
+    loss, stats = fn(shard, target[..., cols].contiguous(), valid, tp_group=group, vocab_size=vocab_size, **common)
     (grad_shard,) = torch.autograd.grad(GRAD_OUT * loss, shard)
     grad = gather_vocab(grad_shard, group)
     losses = gather_vocab(loss.detach().reshape(1), group)
@@ -117,6 +121,11 @@ def main() -> None:
         "e2e_tv", torch.float32, group, chunk_tokens=16, grad_in_forward=True
     )
     results["e2e_tv/fp32/sum"] = compare_objective("e2e_tv", torch.float32, group, reduction="sum")
+    # Megatron's vocabulary padding: rank 1 holds real and padded columns, or padded ones only.
+    for vocab_size in (1000, 600):
+        for kind in OBJECTIVES:
+            results[f"{kind}/fp64/vocab_size={vocab_size}"] = compare_objective(
+                kind, torch.float64, group, vocab_size=vocab_size, chunk_tokens=7)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
