@@ -122,6 +122,14 @@ class MTPConfig:
     """MTP training steps K (prediction depth)."""
     detach_heads: bool = False
     """Megatron's ``mtp_detach_heads`` (detach head inputs)."""
+    init: str = "auto"
+    """How fresh MTP layers start (a new run; a resumed one restores its weights):
+    ``identity`` (the draft starts as the backbone's own next-token distribution: eh_proj
+    passes the hidden state through, the layer's output projections are zero), ``random``
+    (Megatron's init), ``copy_last_layer`` (copies of the backbone's last layer and final
+    norm), or ``auto``: the MTP weights of ``model.init_checkpoint`` when given; ``identity``
+    over a pretrained ``model.backbone_checkpoint`` (the start measured to climb fastest on a
+    real model: ``benchmarks/real_model/RESULTS.md``); ``random`` over a random backbone."""
     next_step_input: str = "post_norm"
     """What MTP step k hands to step k+1: its output after its final norm (``post_norm``:
     Megatron-Core's ``MultiTokenPredictionBlock``; what SGLang's NextN/MiMo drafts and vLLM's
@@ -304,6 +312,10 @@ class WandbConfig:
 class LoggingConfig:
     tensorboard_dir: Optional[str] = None
     """TensorBoard event directory (``tensorboard --logdir DIR``); None disables TensorBoard."""
+    metrics_file: Optional[str] = None
+    """JSONL file: one line ``{"step": N, name: value, ...}`` per logged step and held-out pass
+    (the TensorBoard scalar names), appended and flushed as they come (a resumed run
+    continues the file); None: not written."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device, for MFU; None: known from the GPU name (H100/H200,

@@ -1,12 +1,14 @@
 """What rank 0 reports: console lines, TensorBoard scalars and wandb; other ranks stay silent.
 
 ``logging.tensorboard_dir`` turns on TensorBoard (``tensorboard --logdir DIR``);
+``logging.metrics_file`` appends the same scalars as JSON lines (for scripts);
 ``logging.wandb.mode`` is ``online``, ``offline`` (a run directory under
 ``logging.wandb.dir``/wandb, uploaded later with ``wandb sync``) or ``disabled``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 
@@ -52,9 +54,13 @@ class Monitor:
         self.print = print_fn if self.active else (lambda *a, **k: None)
         self.tensorboard = None
         self.wandb_run = None
+        self.metrics_file = None
         if not self.active:
             return
         log = cfg.logging
+        if log.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(log.metrics_file)), exist_ok=True)
+            self.metrics_file = open(log.metrics_file, "a")
         if log.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -85,6 +91,9 @@ class Monitor:
             )
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self.metrics_file is not None:
+            self.metrics_file.write(json.dumps({"step": step, **values}) + "\n")
+            self.metrics_file.flush()
         if self.tensorboard is not None:
             for name, value in values.items():
                 self.tensorboard.add_scalar(name, value, step)
@@ -96,6 +105,9 @@ class Monitor:
             self.tensorboard.add_text(name, f"```\n{text}\n```", 0)
 
     def close(self) -> None:
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+            self.metrics_file = None
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
@@ -121,4 +133,13 @@ def step_scalars(m, mfu: float | None, peak_mem_gib: float, skipped_total: int) 
                          ("kl", m.kl), ("accept_len_rs", m.accept_len_rs), ("accept_len_to", m.accept_len_to)):
         for k, value in enumerate(series, start=1):
             values[f"mtp/{name}_step{k}"] = value
+    return values
+
+
+def eval_scalars(m) -> dict[str, float]:
+    """The held-out pass's numbers: ``eval/loss`` and ``eval/<stat>_step<k>``."""
+    values = {"eval/loss": m.loss}
+    for name, value in step_scalars(m, None, 0.0, 0).items():
+        if name.startswith("mtp/"):
+            values["eval/" + name[len("mtp/"):]] = value
     return values

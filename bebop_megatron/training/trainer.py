@@ -29,12 +29,14 @@ from bebop_megatron.data import (
 )
 from bebop_megatron.model import build_model, mtp_parameters
 from bebop_megatron.model.builder import use_transformer_engine
+from bebop_megatron.model.mtp_init import init_mtp_layers
+from bebop_megatron.model.mtp_init import resolve as resolve_mtp_init
 from bebop_megatron.platform import init_distributed, resolve_device
 from bebop_megatron.training import checkpoint as ckpt
 from bebop_megatron.training.flops import mfu, peak_tflops_per_device, step_flops
 from bebop_megatron.training.guard import NumericsGuard, agree_on_flags, local_loss_is_finite
 from bebop_megatron.training.loss import STAT_ROWS, mtp_loss
-from bebop_megatron.training.monitor import Monitor, peak_memory_gib, step_scalars
+from bebop_megatron.training.monitor import Monitor, eval_scalars, peak_memory_gib, step_scalars
 from bebop_megatron.training.optim import build_optimizer, finalize_mtp_grads, wrap_ddp
 from bebop_megatron.training.parallel import setup_parallel
 from bebop_megatron.training.resume import agree_on_start
@@ -141,6 +143,7 @@ class Trainer:
             ckpt.load_model_weights(cfg.model.backbone_checkpoint, self.model, backbone_only=True)
         elif cfg.model.init_checkpoint:
             ckpt.load_model_weights(cfg.model.init_checkpoint, self.model, backbone_only=False)
+        init_mtp_layers(self.model, resolve_mtp_init(cfg), parallel_state.get_tensor_model_parallel_rank())
         self.has_mtp = bool(self.model.mtp_process)
         # Every stage builds the (DDP, optimizer) pair because Megatron aligns param groups
         # across all ranks; on backbone-only stages both are empty and do no communication.
@@ -376,6 +379,7 @@ class Trainer:
                 t_eval = time.perf_counter()
                 result = self.evaluate_valid()
                 self.eval_history.append(result)
+                self.monitor.scalars(metrics.step, eval_scalars(result))
                 self.log(self.format_eval(result, time.perf_counter() - t_eval))
             saved = bool(cfg.save.dir and cfg.save.interval and metrics.step % cfg.save.interval == 0)
             if saved:

@@ -1,0 +1,94 @@
+"""How fresh MTP layers start (``mtp.init``), for a backbone that has none of its own.
+
+A model imported without MTP layers gets one that must learn from nothing, and how it starts
+decides how fast acceptance climbs (DESIGN.md, "Heads that start from nothing"):
+
+- ``random``: Megatron's initialisation. The draft starts far from the backbone (alpha_RS near 0).
+- ``copy_last_layer``: the MTP decoder layer and final norm are copies of the backbone's last
+  layer and final norm (eh_proj, enorm, hnorm as Megatron initialises them). The draft
+  starts confident and wrong: CE/KL spike, the TV gradient vanishes.
+- ``identity``: the draft starts as the backbone's own next-token distribution one
+  position early: eh_proj passes the hidden half through (``[0 | I]``, Megatron concatenates
+  ``[enorm(embedding), hnorm(hidden)]``), the layer's output projections (attention
+  ``linear_proj``, MLP ``linear_fc2``) are zero so the residual layer is the identity, and the
+  final norm is scaled by the RMS of the backbone's final-norm weight so that the logits keep
+  the backbone's scale. The gradient reaches every parameter from the first step on
+  (through the zero projections first), as in zero-initialised residual branches.
+
+Applied on a fresh start only: a resumed run restores its MTP weights, and ``auto`` keeps the
+MTP weights of ``model.init_checkpoint``. Every rank sets its own tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bebop_megatron.config import Config, ConfigError
+
+MTP_INITS = ("auto", "random", "copy_last_layer", "identity")
+AUTO_DEFAULT = "identity"  # ``auto`` over a pretrained backbone (measured: benchmarks/real_model/RESULTS.md)
+
+
+def resolve(cfg: Config) -> str:
+    """The init this run applies (``random`` = leave Megatron's, or the checkpoint's, weights).
+
+    ``auto``: the MTP weights of ``model.init_checkpoint`` when given; ``AUTO_DEFAULT`` over a
+    pretrained backbone (``model.backbone_checkpoint``); Megatron's init over a random backbone,
+    whose distribution is nothing worth starting from."""
+    kind = cfg.mtp.init
+    if kind == "auto":
+        return AUTO_DEFAULT if cfg.model.backbone_checkpoint and not cfg.model.init_checkpoint else "random"
+    return kind
+
+
+def _mtp_layers(model):
+    mtp = getattr(model, "mtp", None)
+    return list(mtp.layers) if mtp is not None else []
+
+
+def _backbone_final_norm(model):
+    decoder = getattr(model, "decoder", None)
+    norm = getattr(decoder, "final_layernorm", None) if decoder is not None else None
+    return getattr(norm, "weight", None)
+
+
+@torch.no_grad()
+def init_mtp_layers(model, kind: str, tp_rank: int) -> None:
+    """Set this rank's MTP layers to ``kind`` (``random`` leaves them as they are)."""
+    layers = _mtp_layers(model)
+    if kind == "random" or not layers:
+        return
+    final_norm = _backbone_final_norm(model)
+    if final_norm is None:
+        raise ConfigError(f"mtp.init={kind} needs the backbone's final norm on the MTP stage; with a standalone "
+                          f"MTP pipeline stage use mtp.init=random")
+    if kind == "copy_last_layer":
+        decoder_layers = list(model.decoder.layers)
+        if not decoder_layers:
+            raise ConfigError("mtp.init=copy_last_layer needs the last decoder layer on the MTP stage; with a "
+                              "standalone MTP pipeline stage import with tools/convert_from_hf.py --mtp-init "
+                              "copy_last_layer and pass model.init_checkpoint")
+        source = dict(decoder_layers[-1].named_parameters())
+        for layer in layers:
+            for name, param in layer.mtp_model_layer.named_parameters():
+                param.copy_(source[name])
+            layer.final_layernorm.weight.copy_(final_norm)
+        return
+    if kind != "identity":
+        raise ConfigError(f"mtp.init={kind!r} must be one of {', '.join(MTP_INITS)}")
+    scale = final_norm.float().pow(2).mean().sqrt()
+    for layer in layers:
+        w = layer.eh_proj.weight  # [H / TP, 2H]: this rank's output rows of [enorm(emb), hnorm(h)] -> H
+        rows, two_h = w.shape
+        hidden = two_h // 2
+        w.zero_()
+        first = tp_rank * rows  # global output row of local row 0
+        w[torch.arange(rows), hidden + first + torch.arange(rows)] = 1.0
+        if getattr(layer.eh_proj, "bias", None) is not None:
+            layer.eh_proj.bias.zero_()
+        for name, param in layer.mtp_model_layer.named_parameters():
+            if name.endswith(("linear_proj.weight", "linear_fc2.weight", "linear_proj.bias", "linear_fc2.bias")):
+                param.zero_()
+        layer.enorm.weight.fill_(1.0)
+        layer.hnorm.weight.fill_(1.0)
+        layer.final_layernorm.weight.fill_(scale.item())
