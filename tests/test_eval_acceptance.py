@@ -60,8 +60,10 @@ def png_size(path: Path) -> tuple[int, int]:
 
 def test_report_writes_every_key_and_plot(checkpoint, tmp_path):
     out = tmp_path / "report"
+    positions = tmp_path / "not_yet" / "positions.pt"  # its directory is created
     proc = run_tool("--checkpoint", checkpoint, "--data", VALID, "--temperatures", "0.8", "1.0", "--gamma", "2",
-                    "--max-rows", "12", "--sim-positions", "64", "--sim-trials", "8", "--out-dir", out, "--no-progress")
+                    "--max-rows", "12", "--sim-positions", "64", "--sim-trials", "8", "--out-dir", out, "--no-progress",
+                    "--positions-out", positions)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert TOP_KEYS <= set(report)
@@ -76,6 +78,17 @@ def test_report_writes_every_key_and_plot(checkpoint, tmp_path):
         for g in range(2):  # 512 chains: the simulated mean is within ~0.1 of the analytic one
             assert abs(entry["empirical_accept_len_rs"][g] - entry["accept_len_rs"][g]) < 0.3
         assert {"rs", "to"} <= set(entry["entropy_fit"])
+    # The per-position rows average to the report's per-step means.
+    import torch
+
+    rows = torch.load(positions)
+    assert set(rows) == {"0.8", "1"}
+    for tau, entry in report["per_temperature"].items():
+        chain = rows[tau]["chain"].bool()
+        assert chain.sum(-1).tolist() == entry["count"]
+        for key in ("alpha_rs", "alpha_to", "entropy_target"):
+            means = ((rows[tau][key].double() * chain).sum(-1) / chain.sum(-1)).tolist()
+            assert means == pytest.approx(entry[key], rel=1e-5), key
     assert set(report["plots"]) == PLOTS
     for path in report["plots"].values():
         width, height = png_size(Path(path))

@@ -254,6 +254,7 @@ def evaluate(args) -> dict | None:
     if rank != 0:
         return None
     if positions is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(args.positions_out)), exist_ok=True)
         torch.save(positions, args.positions_out)
     per_t = report.summary()
     ref = min(args.temperatures, key=lambda t: abs(t - 1.0))

@@ -279,9 +279,10 @@ class StdlibSource:
         self.seed, self.heldout_percent = seed, heldout_percent
         self.functions: dict[str, list[tuple[str, str]]] = {}  # module -> [(name, prompt)]
         seen_docs: set[tuple[str, str]] = set()
+        scanned = scan_stdlib_isolated()
         for module_name in STDLIB_MODULES:
             found = []
-            for name, signature, doc in stdlib_functions(module_name):
+            for name, signature, doc in scanned[module_name]:
                 if (name, doc) in seen_docs:
                     continue
                 seen_docs.add((name, doc))
@@ -324,6 +325,21 @@ class StdlibSource:
             "item": "STDLIB_TEMPLATE, id stdlib:<module>.<name>",
             "template": STDLIB_TEMPLATE,
         }
+
+
+def scan_stdlib_isolated() -> dict[str, list[tuple[str, str, str]]]:
+    """:func:`stdlib_functions` of every module of ``STDLIB_MODULES``, run in a fresh isolated
+    interpreter (``python -I``): what a module defines can depend on what the calling process
+    has imported or patched (seen under pytest), and the prompt set must not."""
+    import subprocess
+
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import prompts; "
+            "print(json.dumps({m: prompts.stdlib_functions(m) for m in prompts.STDLIB_MODULES}))")
+    proc = subprocess.run([sys.executable, "-I", "-c", code, str(Path(__file__).resolve().parent)],
+                          capture_output=True, text=True, env={"PYTHONHASHSEED": "0", "PATH": os.environ.get("PATH", "")})
+    if proc.returncode != 0:
+        raise PromptsError(f"scanning the standard library failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return {m: [tuple(f) for f in funcs] for m, funcs in json.loads(proc.stdout).items()}
 
 
 def stdlib_functions(module_name: str) -> list[tuple[str, str, str]]:
