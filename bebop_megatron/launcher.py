@@ -1,4 +1,4 @@
-"""Ranks stop when their launcher is gone.
+"""Ranks stop when their launcher is gone; a rank's helper processes stop with their rank.
 
 torchrun's workers are its child processes. When torchrun itself dies without cleaning up
 (``kill -9``, the OOM killer), they are re-parented (to PID 1 or a subreaper) and would go on
@@ -8,6 +8,11 @@ when it changes, the rank sends itself SIGTERM: the trainer saves a checkpoint a
 step and exits as on preemption, any other entry point ends at once. A rank still alive
 ``grace_s`` later (e.g. blocked in a collective with a rank that is already gone) is ended
 with ``os._exit``. Stdlib only: the entry points call it before the heavy imports.
+
+:func:`shield_helper` starts a rank's helper process (the manager that relays the async
+checkpoint writer's results): srun, scancel and torchrun signal every process of the job, and
+a helper killed by that SIGTERM would fail the rank's final save; it ignores the job's signals
+and ends when its rank is gone instead.
 """
 
 from __future__ import annotations
@@ -44,3 +49,21 @@ def _watch(launcher_pid: int, poll_s: float, grace_s: float) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
     os._exit(LAUNCHER_GONE_EXIT_CODE)
+
+
+HELPER_IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def shield_helper(rank_pid: int, poll_s: float = 1.0) -> None:
+    """Initializer of a rank's helper process: ignore :data:`HELPER_IGNORED_SIGNALS` (the rank
+    handles them, and needs the helper until its checkpoint is written), exit once ``rank_pid``
+    is no longer the parent (the rank exited or was killed)."""
+    for sig in HELPER_IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == rank_pid:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="rank-watchdog", daemon=True).start()

@@ -4,7 +4,8 @@ For each family a tiny random model is built with transformers' config classes a
 locally; ``tools/convert_from_hf.py`` converts it; the checkpoint is loaded at TP=1 and at a
 2-rank layout (TP=2 for dense families; EP=2 and TP=2 with SP for Qwen3-MoE and GLM-4.5) and its
 backbone logits compared with the transformers model's (relative 1e-4). Errors: unknown
-architecture, missing files, shape mismatch: exit status 2 and one ``error:`` line.
+architecture, missing files, shape mismatch, a truncated safetensors file: exit status 2 and
+one ``error:`` line.
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ def errors(tmp_path_factory):
     conf = json.loads((d / "config.json").read_text())
     conf["num_key_value_heads"] = 4  # the stored k/v projections have 2 heads
     (d / "config.json").write_text(json.dumps(conf))
+    for name, keep in (("truncated", -100), ("truncated_header", 4)):  # an interrupted download or copy
+        d = inputs[name] = _copy(good, root / name)
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[:keep])
     d = inputs["no_tokenizer"] = _copy(good, root / "no_tokenizer")  # not an error: no data.tokenizer then
     for name in os.listdir(d):
         if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template")):
@@ -140,6 +145,16 @@ def test_error_missing_tensor_and_shape_mismatch(errors):
     assert "model.layers.1.mlp.up_proj.weight is missing" in _error_line(errors["missing_tensor"])
     line = _error_line(errors["shape_mismatch"])
     assert "shapes do not match config.json" in line or "shape mismatch" in line, line
+
+
+def test_error_truncated_safetensors_names_the_file(errors):
+    for name, reason in (("truncated", "incomplete metadata, file not fully covered"),
+                         ("truncated_header", "header too small")):
+        path = errors["out_dir"].parent / name / "model.safetensors"
+        assert _error_line(errors[name]) == (f"error: {path} is not a readable safetensors file (Error while "
+                                             f"deserializing header: {reason}): truncated or damaged? download or "
+                                             "copy it again")
+        assert not (errors["out_dir"] / name).exists()  # refused before anything is written
 
 
 def test_generation_config_alone_is_not_a_tokenizer(errors):

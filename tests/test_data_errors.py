@@ -190,3 +190,30 @@ def test_preprocess_cli_help_and_missing_input(tmp_path):
 
     with pytest.raises(DataError, match=rf"^--input {tmp_path / 'none.jsonl'}: no such file$"):
         preprocess([str(tmp_path / "none.jsonl")], str(tmp_path / "o"))
+
+
+def test_preprocess_cli_prefix_ending_in_slash_is_one_line(tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", GOOD)
+    prefix = f"{tmp_path / 'out'}/"  # it used to fail writing 'out/.partial.bin' with a traceback
+    proc = _tool("--input", str(path), "--output-prefix", prefix, "--no-progress")
+    assert proc.returncode == 2, proc.stderr
+    example = tmp_path / "out" / "train"
+    assert proc.stderr.splitlines() == [
+        f"error: --output-prefix '{prefix}' ends in '/': it is the start of the file names, e.g. {example} writes "
+        f"{example}.bin/.idx, {example}_lossmask.bin/.idx and {example}_meta.json"], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def test_preprocess_unwritable_prefix_names_it_before_tokenizing(tmp_path):
+    """Root ignores permission bits: a prefix under a file, and one on a read-only mount."""
+    from bebop_megatron.data.preprocess import preprocess
+
+    path = write_jsonl(tmp_path / "in.jsonl", GOOD)
+    (tmp_path / "a_file").write_text("")
+    prefix = str(tmp_path / "a_file" / "sub" / "train")
+    with pytest.raises(DataError) as err:
+        preprocess([str(path)], prefix, progress=False)
+    assert str(err.value) == (f"--output-prefix {prefix}: cannot create the directory {tmp_path / 'a_file' / 'sub'}: "
+                              f"{tmp_path / 'a_file'} is a file")
+    with pytest.raises(DataError, match=r"^--output-prefix /proc/bebop/train: cannot write in /proc \("):
+        preprocess([str(path)], "/proc/bebop/train", progress=False)

@@ -4,14 +4,16 @@
   E[L] close to the analytic one, five non-empty PNGs of the expected size;
 - the wiring: its statistics equal the training loss's (``mtp_loss``) on the same batches
   (``tests/helpers/eval_acceptance_case.py``);
-- a missing checkpoint and a malformed dataset line: one ``error:`` line naming the path
-  (and line), exit status 2, no traceback.
+- a missing or damaged checkpoint (truncated shard or ``.metadata``) and a malformed dataset
+  line: one ``error:`` line naming the path (and line; for a damaged checkpoint the newest
+  intact one before it), exit status 2, no traceback.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -134,3 +136,20 @@ def test_malformed_dataset_line_names_path_and_line(checkpoint, tmp_path):
     bad.write_text("\n".join(lines[:2] + ['{"prompt": "x", "response": '] + lines[2:4]) + "\n")
     line = error_line(run_tool("--checkpoint", checkpoint, "--data", bad, "--out-dir", tmp_path / "r"))
     assert f"{bad}:3:" in line
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("__0_0.distcp", "__0_0.distcp is truncated ("),
+    (".metadata", ".metadata is unreadable or truncated ("),
+])
+def test_damaged_checkpoint_is_one_line_naming_the_intact_one(checkpoint, tmp_path, name, problem):
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint, run)
+    newest = run / (run / "latest").read_text().strip()
+    shutil.copytree(newest, run / "iter_0000001")  # an older, intact checkpoint
+    data = (newest / name).read_bytes()
+    (newest / name).write_bytes(data[: len(data) // 2])
+    line = error_line(run_tool("--checkpoint", run, "--data", VALID, "--out-dir", tmp_path / "r"))
+    assert line.startswith(f"error: checkpoint {newest} is damaged: {problem}"), line
+    assert line.endswith(f"; the newest intact checkpoint before it is {run / 'iter_0000001'}: pass --checkpoint "
+                         f"{run / 'iter_0000001'}"), line

@@ -15,8 +15,10 @@ NextN: vLLM's DeepSeekMTP, SGLang's DeepseekV3ForCausalLMNextN).
 
 ``--checkpoint`` is a training checkpoint (``save.dir`` or one ``iter_N``; MTP weights only,
 so ``--backbone`` names the model.backbone_checkpoint) or a full model checkpoint (e.g. from
-convert_from_hf.py). The source config.json and tokenizer come from ``hf/`` next to the
-backbone checkpoint, or ``--hf-dir``. ``--verify`` (default) reloads the written files,
+convert_from_hf.py). The training checkpoint records its backbone's path and a fingerprint of
+its files; another ``--backbone`` is refused (``--allow-moved-backbone``: the same files
+elsewhere, checked by fingerprint alone). The source config.json and tokenizer come from
+``hf/`` next to the backbone checkpoint, or ``--hf-dir``. ``--verify`` (default) reloads the written files,
 checks every name and shape, and compares an independent pure-PyTorch MTP forward with the
 Megatron model's draft logits. The logic lives in :mod:`bebop_megatron.convert.exporter`.
 """
@@ -29,7 +31,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="Megatron checkpoint with the MTP layers")
-    p.add_argument("--backbone", default=None, help="Megatron checkpoint with the backbone (default: --checkpoint)")
+    p.add_argument("--backbone", default=None, help="Megatron checkpoint with the backbone (default: --checkpoint); "
+                   "must be the one the heads were trained on (recorded path and fingerprint)")
+    p.add_argument("--allow-moved-backbone", action="store_true",
+                   help="the training run's backbone was moved or copied to --backbone: check its fingerprint only, "
+                        "not its path")
     p.add_argument("--hf-dir", default=None, help="source HF config.json + tokenizer (default: BACKBONE/hf)")
     p.add_argument("--format", required=True, help="mimo | glm4_moe | deepseek (DeepSeek-V3)")
     p.add_argument("--target", required=True, help="vllm | sglang")
@@ -49,7 +55,7 @@ def main(argv=None) -> None:
 
     convert_to_hf(args.checkpoint, args.out, args.format, args.target, backbone=args.backbone,
                   hf_dir=args.hf_dir, mtp_only=args.mtp_only, verify=args.verify, tol=args.tolerance,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, allow_moved_backbone=args.allow_moved_backbone)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,19 @@ def resolve_checkpoint(path: str) -> str:
     raise ValueError(f"checkpoint not found: {path} (expected a save.dir with 'latest' or an iter_N directory)")
 
 
+def check_intact(ckpt_path: str) -> None:
+    """One line for a damaged checkpoint (a truncated shard, ``.metadata`` or ``metadata.json``:
+    the trainer's own check), naming the newest intact one before it."""
+    from bebop_megatron.training.resume import damage, newest_intact_before
+
+    problem = damage(ckpt_path)
+    if problem:
+        previous = newest_intact_before(os.path.dirname(ckpt_path), ckpt_path)
+        hint = (f"the newest intact checkpoint before it is {previous}: pass --checkpoint {previous}" if previous
+                else "there is no intact checkpoint before it")
+        raise ValueError(f"checkpoint {ckpt_path} is damaged: {problem}; {hint}")
+
+
 def eval_config(ckpt_path: str, args, world: int, device: str):
     """The training run's config, re-targeted at this evaluation's layout and data."""
     from omegaconf import OmegaConf
@@ -219,6 +232,7 @@ def evaluate(args) -> dict | None:
     ckpt_path = resolve_checkpoint(args.checkpoint)
     device = resolve_device(args.device)
     rank, world = init_distributed(device)  # before reading the checkpoint: dist checkpointing expects it
+    check_intact(ckpt_path)
     cfg = eval_config(ckpt_path, args, world, device)
     K = cfg.mtp.num_steps
     gamma = args.gamma if args.gamma is not None else K

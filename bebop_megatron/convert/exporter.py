@@ -13,6 +13,7 @@ import os
 import torch
 
 from bebop_megatron.convert import megatron_io, verify as verify_mod
+from bebop_megatron.convert.backbone_check import check_backbone
 from bebop_megatron.convert.errors import ConvertError
 from bebop_megatron.convert.formats import TARGETS, Glm4Moe, MiMo, get_format
 from bebop_megatron.convert.hf_config import describe, model_overrides, read_config
@@ -83,8 +84,11 @@ def _hf_dir(explicit, candidates) -> str:
 
 def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, backbone: str | None = None,
                   hf_dir: str | None = None, mtp_only: bool = False, verify: bool = True, tol: float = 1e-4,
-                  progress: bool = True, log=print) -> dict:
-    """Write ``out_dir``; returns a summary (number of tensors, verification differences)."""
+                  progress: bool = True, allow_moved_backbone: bool = False, log=print) -> dict:
+    """Write ``out_dir``; returns a summary (number of tensors, verification differences).
+
+    ``backbone`` must be the one a training checkpoint's heads were trained on (its recorded
+    path and fingerprint; with ``allow_moved_backbone`` the fingerprint alone)."""
     from tqdm import tqdm
 
     from bebop_megatron.model import is_mtp_param
@@ -104,6 +108,7 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
         bb = ckpt
     else:
         bb = megatron_io.resolve_checkpoint(backbone)
+        check_backbone(_training_common(ckpt), ckpt, bb, allow_moved_backbone, log)
     bb_shapes = megatron_io.checkpoint_shapes(bb) if bb != ckpt else shapes
     if not megatron_io.has_backbone(bb_shapes):
         raise ConvertError(f"--backbone {bb} holds no backbone weights")
@@ -152,22 +157,29 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     return summary
 
 
-def _warn_if_trained_otherwise(ckpt: str, engine_chain: str, target: str, log) -> None:
-    """One warning line when a training checkpoint's heads were trained with another
-    ``mtp.next_step_input`` than the target engine runs (draft steps >= 2 then differ)."""
+def _training_common(ckpt: str) -> dict | None:
+    """A training checkpoint's common state (step, config, backbone record); None for a model
+    checkpoint (convert_from_hf has none)."""
     import warnings
-
-    from omegaconf import OmegaConf
 
     from megatron.core import dist_checkpointing
 
     try:
         with warnings.catch_warnings():  # dist checkpointing's note on a missing process group
             warnings.simplefilter("ignore")
-            common = dist_checkpointing.load_common_state_dict(ckpt).get("common", {})
-    except (OSError, KeyError, RuntimeError):  # a model checkpoint (convert_from_hf) has none
-        return
-    text = common.get("config_yaml") if isinstance(common, dict) else None
+            common = dist_checkpointing.load_common_state_dict(ckpt).get("common")
+    except (OSError, KeyError, RuntimeError):
+        return None
+    return common if isinstance(common, dict) else None
+
+
+def _warn_if_trained_otherwise(ckpt: str, engine_chain: str, target: str, log) -> None:
+    """One warning line when a training checkpoint's heads were trained with another
+    ``mtp.next_step_input`` than the target engine runs (draft steps >= 2 then differ)."""
+    from omegaconf import OmegaConf
+
+    common = _training_common(ckpt) or {}
+    text = common.get("config_yaml")
     if not text:
         return
     mtp = OmegaConf.create(text).get("mtp", {})

@@ -22,6 +22,19 @@ TOKENIZER_CORE_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model")
 EXTRA_FILES = ("generation_config.json",)  # copied too, but not a tokenizer
 
 
+def _open_checked(path: str):
+    """``safe_open`` whose failure (a truncated or damaged file) is one line naming the file.
+
+    Opening checks the header and that the file covers every tensor it lists, so a truncated
+    download is caught here and not halfway through the conversion."""
+    try:
+        return safe_open(path, "pt")
+    except Exception as err:  # safetensors' SafetensorError derives from Exception only
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConvertError(f"{path} is not a readable safetensors file ({reason}): truncated or damaged? "
+                           "download or copy it again") from None
+
+
 class HFWeights:
     """Lazy access to the tensors of an HF directory; remembers which names were read."""
 
@@ -29,18 +42,22 @@ class HFWeights:
         self.dir = hf_dir
         index = os.path.join(hf_dir, INDEX)
         if os.path.isfile(index):
-            with open(index) as f:
-                self.file_of = dict(json.load(f)["weight_map"])
+            try:
+                with open(index) as f:
+                    self.file_of = dict(json.load(f)["weight_map"])
+            except (ValueError, KeyError, TypeError) as err:  # truncated JSON, no weight_map
+                raise ConvertError(f"{index} is not a valid safetensors index ({type(err).__name__}: {err})") from None
             for name in sorted(set(self.file_of.values())):
                 if not os.path.isfile(os.path.join(hf_dir, name)):
                     raise ConvertError(f"missing weight file {os.path.join(hf_dir, name)} (listed in {INDEX})")
+                _open_checked(os.path.join(hf_dir, name))  # a damaged file fails now, before any model is built
         else:
             files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
             if not files:
                 raise ConvertError(f"no *.safetensors weights in {hf_dir} (convert .bin checkpoints with transformers first)")
             self.file_of = {}
             for name in files:
-                with safe_open(os.path.join(hf_dir, name), "pt") as f:
+                with _open_checked(os.path.join(hf_dir, name)) as f:
                     self.file_of.update({k: name for k in f.keys()})
         self.used: set[str] = set()
         self._open: dict[str, object] = {}
@@ -56,7 +73,7 @@ class HFWeights:
             raise ConvertError(f"tensor {name} is missing from {self.dir} (config.json promises it)")
         file = self.file_of[name]
         if file not in self._open:
-            self._open[file] = safe_open(os.path.join(self.dir, file), "pt")
+            self._open[file] = _open_checked(os.path.join(self.dir, file))
         self.used.add(name)
         return self._open[file].get_tensor(name)
 

@@ -7,6 +7,7 @@ exactly the rows the JSONL files give with the same tokenizer, ``train_on`` and 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
@@ -35,15 +36,18 @@ def preprocess(
     for path in inputs:
         if not os.path.isfile(path):
             raise DataError(f"--input {path}: no such file")
+    parent = check_output_prefix(output_prefix)
     tokenizer = tokenizer_from_dir(tokenizer_dir)
-    parent = os.path.dirname(os.path.abspath(output_prefix))
     writer: list[IndexedWriter] = []  # created at the first document: Megatron's import is slow
 
     def emit(tokens: np.ndarray, trained: np.ndarray) -> None:
-        if not writer:
-            os.makedirs(parent, exist_ok=True)
-            writer.append(IndexedWriter(output_prefix, tokenizer.vocab_size))
-        writer[0].add(tokens, trained)
+        try:
+            if not writer:
+                os.makedirs(parent, exist_ok=True)
+                writer.append(IndexedWriter(output_prefix, tokenizer.vocab_size))
+            writer[0].add(tokens, trained)
+        except OSError as err:  # e.g. no space left on device
+            raise _write_error(output_prefix, err) from None
 
     start, files = time.perf_counter(), []
     try:
@@ -61,7 +65,10 @@ def preprocess(
             "num_trained_tokens": sum(f["trained_tokens"] for f in files),
             "inputs": files,
         }
-        writer[0].finalize(meta)
+        try:
+            writer[0].finalize(meta)
+        except OSError as err:
+            raise _write_error(output_prefix, err) from None
     except BaseException:
         if writer:
             writer[0].abort()
@@ -71,3 +78,29 @@ def preprocess(
         f"{meta['num_documents']} documents, {meta['num_tokens']} tokens with {describe(tokenizer)} in "
         f"{seconds:.2f} s ({meta['num_tokens'] / max(seconds, 1e-9):,.0f} tokens/s)")
     return meta
+
+
+def check_output_prefix(prefix: str) -> str:
+    """The directory the dataset files go to. Raises :class:`DataError` (one line naming
+    ``--output-prefix``) when the prefix names a directory (``data/`` would write ``data/.bin``)
+    or its directory cannot be created or written. Creates nothing."""
+    if not prefix or prefix.endswith(("/", os.sep)):
+        example = os.path.join(prefix or ".", "train")
+        raise DataError(f"--output-prefix {prefix!r} ends in '/': it is the start of the file names, e.g. {example} "
+                        f"writes {example}.bin/.idx, {example}_lossmask.bin/.idx and {example}{META_SUFFIX}")
+    parent = os.path.dirname(os.path.abspath(prefix))
+    existing = parent
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise DataError(f"--output-prefix {prefix}: cannot create the directory {parent}: {existing} is a file")
+    try:
+        with tempfile.TemporaryFile(dir=existing):  # the real test: permissions, read-only mounts, quotas
+            pass
+    except OSError as err:
+        raise DataError(f"--output-prefix {prefix}: cannot write in {existing} ({err.strerror or err})") from None
+    return parent
+
+
+def _write_error(prefix: str, err: OSError) -> DataError:
+    return DataError(f"--output-prefix {prefix}: cannot write {err.filename or prefix} ({err.strerror or err})")

@@ -11,8 +11,10 @@ of the run that wrote it.
 With an :class:`AsyncSaver` the shards are written by a forked writer process (Megatron-Core's
 ``mcore`` async strategy; it works on CPU with gloo as well as on CUDA) while training goes
 on; the rename and ``latest`` happen in its finalize step, once every rank's writer is done.
-Megatron's writer reports through a ``spawn``-context ``Manager``, which re-imports the
+The writers report through a ``spawn``-context ``Manager`` process, which re-imports the
 ``__main__`` script: async saves need an entry point guarded by ``if __name__ == "__main__"``.
+That process ignores the job's SIGTERM / SIGUSR1 (the launcher signals the whole process
+group; the rank handles them and still needs it for its final save) and exits with its rank.
 """
 
 from __future__ import annotations
@@ -79,6 +81,31 @@ def _rng_sharded_object(world_rank: int, world_size: int):
     return ShardedObject("rng_state", state, (world_size,), (world_rank,), replica_id=0)
 
 
+def _shielded_results_queue():
+    """Megatron's queue for the forked writers' results (a ``spawn``-context manager's queue,
+    as ``get_write_results_queue`` makes it), served by a manager that survives the job's signals.
+
+    srun, scancel and torchrun signal the whole process group: Megatron's manager died of it,
+    and the preemption save failed (BrokenPipeError in the writer, the checkpoint left ``.tmp``).
+    This one ignores them and exits with its rank (:func:`bebop_megatron.launcher.shield_helper`).
+    """
+    import multiprocessing as mp
+    import signal
+    from multiprocessing.managers import SyncManager
+
+    from bebop_megatron.launcher import HELPER_IGNORED_SIGNALS, shield_helper
+
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    # The new interpreter inherits this thread's signal mask: blocked until the initializer
+    # ignores them (importing takes seconds); here they stay pending, none is lost.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELPER_IGNORED_SIGNALS)
+    try:
+        manager.start(initializer=shield_helper, initargs=(os.getpid(),))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return manager.Queue()  # the proxy holds the manager: it lives as long as the queue
+
+
 class AsyncSaver:
     """One background checkpoint write at a time (Megatron-Core ``AsyncCallsQueue``).
 
@@ -92,8 +119,8 @@ class AsyncSaver:
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
         # The writer is a forked process: results must go through a process-shared queue.
-        if filesystem_async._results_queue is not None and not hasattr(filesystem_async._results_queue, "_token"):
-            filesystem_async._results_queue = None
+        if not hasattr(filesystem_async._results_queue, "_token"):  # None, or the in-process queue
+            filesystem_async._results_queue = _shielded_results_queue()
         self.queue = AsyncCallsQueue()
         self.pending: str | None = None  # the .tmp directory being written
 

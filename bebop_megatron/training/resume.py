@@ -9,7 +9,8 @@
   no complete checkpoint, the newest complete ``iter_N``, with a notice), checks its files
   (:func:`damage`) and compares its saved ``config.yaml`` with this run's config
   (:func:`compare_configs`): changes that define the model, the backbone or the data are
-  refused, the others are listed in one notice.
+  refused, the others are listed in one notice; a backbone whose files changed under the same
+  path (its fingerprint, :mod:`bebop_megatron.training.fingerprint`) is refused too.
 
 A checkpoint is complete when its directory is ``iter_N`` (not ``.tmp``) and holds Megatron's
 ``metadata.json`` and torch's ``.metadata``. :func:`agree_on_start` runs the plan on rank 0 and
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from bebop_megatron.config import Config
 from bebop_megatron.training import lock
 from bebop_megatron.training.checkpoint import CONFIG_FILE, LATEST, list_checkpoints
+from bebop_megatron.training.fingerprint import backbone_record, short
 
 METADATA_FILES = ("metadata.json", ".metadata")
 DATA_KEYS = ("train.seq_length", "data.train_files", "data.tokenizer", "data.train_on", "data.pack", "data.overlong",
@@ -49,6 +51,7 @@ class Plan:
     resume_path: str | None = None
     notices: list[str] = field(default_factory=list)
     error: str | None = None
+    backbone: dict | None = None  # training.fingerprint.backbone_record, saved in every checkpoint
 
 
 def is_complete(path: str) -> bool:
@@ -177,7 +180,11 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _previous_intact(save_dir: str, path: str) -> str | None:
+def newest_intact_before(save_dir: str, path: str) -> str | None:
+    """The newest complete checkpoint of ``save_dir`` older than the ``iter_N`` at ``path`` that
+    :func:`damage` finds nothing wrong with (None: there is none, or ``path`` is no ``iter_N``)."""
+    if not os.path.basename(path).removeprefix("iter_").isdigit():
+        return None
     older = [p for p in complete_checkpoints(save_dir) if p != path and _step(p) < _step(path)]
     return next((p for p in reversed(older) if damage(p) is None), None)
 
@@ -217,6 +224,7 @@ def plan_start(cfg: Config) -> Plan:
         raise StartError(str(err)) from None
     if notice:
         plan.notices.append(notice)
+    plan.backbone = backbone_record(cfg.model.backbone_checkpoint, cfg.model.init_checkpoint, cfg.train.seed)
     if cfg.train.resume == "none":
         _overwrite(save_dir, cfg, plan)
         return plan
@@ -227,11 +235,12 @@ def plan_start(cfg: Config) -> Plan:
         return plan
     problem = damage(path)
     if problem:
-        previous = _previous_intact(save_dir, path)
+        previous = newest_intact_before(save_dir, path)
         hint = (f"the newest intact checkpoint before it is {previous}: move {path} aside (e.g. mv {path} "
                 f"{path}.damaged) and run again to resume from it" if previous else
                 "there is no intact checkpoint before it: move it aside to start over, or use another save.dir")
         raise StartError(f"checkpoint {path} is damaged: {problem}; {hint}")
+    _check_same_backbone(path, plan.backbone)
     saved = saved_config(path)
     if saved is None:
         plan.notices.append(f"{path} holds no saved config: the run's settings cannot be compared")
@@ -253,6 +262,20 @@ def plan_start(cfg: Config) -> Plan:
             )
     plan.resume_path = path
     return plan
+
+
+def _check_same_backbone(path: str, current: dict) -> None:
+    """Refuse a backbone whose files changed under the same path (a moved or changed path is
+    a config change, refused by :func:`compare_configs`). Older checkpoints record none."""
+    saved = common_state(path).get("backbone")
+    if not saved or not saved.get("fingerprint") or not current.get("fingerprint"):
+        return
+    if saved.get("path") == current["path"] and saved["fingerprint"] != current["fingerprint"]:
+        raise StartError(
+            f"cannot resume from {path}: the backbone {current['path']} is not the one the checkpoint was trained on "
+            f"(its files changed: fingerprint {short(current['fingerprint'])}, trained on "
+            f"{short(saved['fingerprint'])}); restore that backbone, or start a new run in another save.dir"
+        )
 
 
 def agree_on_start(cfg: Config, rank: int) -> Plan:

@@ -5,11 +5,17 @@ and keeping the last 2 checkpoints. SIGTERM goes to rank 1 only: the ranks agree
 next step, publish that step's checkpoint, and both exit with the requeue code. The same run
 writes TensorBoard events and an offline wandb run, prints its resolved config and MFU, and
 only rank 0 prints.
+
+A second run gets SIGTERM the way srun, scancel and torchrun send it: to every process of the
+job, so also each rank's forked checkpoint writer and the process that relays the writers'
+results (it used to die of it, and the final save ended in BrokenPipeError with a ``.tmp``).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 
 import pytest
 
@@ -89,3 +95,39 @@ def test_wandb_offline_writes_a_run_directory(preempted):
     # the run id is kept in save.dir, so a requeued job logs into the same wandb run
     run_id = (preempted["tmp"] / "ckpt" / "wandb_run_id").read_text().strip()
     assert runs[0].name.endswith(f"-{run_id}"), runs[0].name
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_to_the_process_group_with_async_save(tmp_path):
+    from bebop_megatron.training.signals import REQUEUE_EXIT_CODE
+
+    stream, ckpt = tmp_path / "steps.jsonl", tmp_path / "ckpt"
+    args = [*TINY, "train.steps=200", f"save.dir={ckpt}", "save.interval=1", "save.async_save=true"]
+    procs = start_ranks(stream, args, nproc=2, process_group=True)
+    pgid = procs[0].pid
+    try:
+        wait_for_step(stream, 2, procs)
+        os.killpg(pgid, signal.SIGTERM)
+        codes = wait_all(procs)
+        deadline = time.monotonic() + 10  # helper processes leave with their rank
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(pgid), "processes of the job are still running after both ranks exited"
+    finally:
+        if _group_alive(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+    (_, err0), (_, err1) = output(stream, 0), output(stream, 1)
+    assert codes == [REQUEUE_EXIT_CODE, REQUEUE_EXIT_CODE], err0[-3000:] + err1[-3000:]
+    assert "Traceback" not in err0 + err1 and "BrokenPipeError" not in err0 + err1, err0[-3000:]
+    last = read_stream(stream)[-1]["step"]
+    assert (ckpt / "latest").read_text() == f"iter_{last:07d}"
+    for name in ("metadata.json", ".metadata", "config.yaml", "__0_0.distcp", "__1_0.distcp"):
+        assert (ckpt / f"iter_{last:07d}" / name).exists(), name
+    assert not list(ckpt.glob("*.tmp"))

@@ -14,8 +14,12 @@ from tests.helpers.launch import REPO, _free_port
 SCRIPT = REPO / "tests" / "helpers" / "production_run.py"
 
 
-def start_ranks(stream: Path, args: list[str], nproc: int, tag: str = "") -> list[subprocess.Popen]:
-    """Popen one process per rank of ``production_run.py``; stdout/stderr go to files beside ``stream``."""
+def start_ranks(stream: Path, args: list[str], nproc: int, tag: str = "",
+                process_group: bool = False) -> list[subprocess.Popen]:
+    """Popen one process per rank of ``production_run.py``; stdout/stderr go to files beside ``stream``.
+
+    ``process_group``: the ranks (and whatever they start) share a new process group whose id
+    is rank 0's pid, as under srun or torchrun, so a test can signal the whole group."""
     port = str(_free_port())
     procs = []
     for rank in range(nproc):
@@ -26,8 +30,10 @@ def start_ranks(stream: Path, args: list[str], nproc: int, tag: str = "") -> lis
         }
         out = open(f"{stream}{tag}.out{rank}", "w")
         err = open(f"{stream}{tag}.err{rank}", "w")
+        group = {"process_group": procs[0].pid if procs else 0} if process_group else {}
         procs.append(subprocess.Popen(
             [sys.executable, str(SCRIPT), "--stream", str(stream), *args], cwd=REPO, env=env, stdout=out, stderr=err,
+            **group,
         ))
     return procs
 
