@@ -127,9 +127,9 @@ class MTPConfig:
     ``identity`` (the draft starts as the backbone's own next-token distribution: eh_proj
     passes the hidden state through, the layer's output projections are zero), ``random``
     (Megatron's init), ``copy_last_layer`` (copies of the backbone's last layer and final
-    norm), or ``auto``: the MTP weights of ``model.init_checkpoint`` when given; ``identity``
-    over a pretrained ``model.backbone_checkpoint`` (the start measured to climb fastest on a
-    real model: ``benchmarks/real_model/RESULTS.md``); ``random`` over a random backbone."""
+    norm), or ``auto``: the MTP weights of ``model.init_checkpoint`` when given, otherwise
+    Megatron's init, the start measured to climb fastest on a real model
+    (``benchmarks/real_model/RESULTS.md``)."""
     next_step_input: str = "post_norm"
     """What MTP step k hands to step k+1: its output after its final norm (``post_norm``:
     Megatron-Core's ``MultiTokenPredictionBlock``; what SGLang's NextN/MiMo drafts and vLLM's
