@@ -142,7 +142,8 @@ def test_write_results_on_a_fake_run(tmp_path):
     def save(name, shift):
         path = tmp_path / f"{name}.pt"
         rows = fake_rows(4, shift=shift)
-        torch.save({results.temp_suffix(t): {k: torch.as_tensor(v) for k, v in rows.items()} for t in (1.0, 0.7)}, path)
+        # keyed as tools/eval_acceptance.py --positions-out keys them ("1", "0.7")
+        torch.save({f"{t:g}": {k: torch.as_tensor(v) for k, v in rows.items()} for t in (1.0, 0.7)}, path)
         return str(path)
 
     run = {"positions": None, "start_alpha_rs": [0.1, 0.05, 0.02], "tokens_per_s": 12.5}

@@ -287,14 +287,13 @@ def main(argv=None) -> None:
 
 def choose_init(init_rows: dict) -> str:
     """The start with the highest held-out E[L](3) at T=1 after the init study's steps."""
-    import torch
-
     from results import point_metrics, temp_suffix
+    from write_results import load_rows
 
     scores = {}
     for init, row in init_rows.items():
-        rows = torch.load(row["positions"])[temp_suffix(1.0)]
-        scores[init] = point_metrics({k: v.numpy() for k, v in rows.items()}, GAMMA)[f"accept_len_rs_g{GAMMA}"]
+        rows = load_rows(row["positions"])[temp_suffix(1.0)]
+        scores[init] = point_metrics(rows, GAMMA)[f"accept_len_rs_g{GAMMA}"]
     log("init study, held-out E[L](3) RS at T=1: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
     return max(scores, key=lambda k: -math.inf if math.isnan(scores[k]) else scores[k])
 

@@ -29,10 +29,11 @@ PAPER = ("The paper (Table 2, Qwen3.5-35A3B with pre-trained MTP layers, gamma=3
 
 
 def load_rows(path: str) -> dict:
+    """``tools/eval_acceptance.py --positions-out`` rows, keyed ``T1``, ``T0.7`` (the file's keys are ``1``, ``0.7``)."""
     import torch
 
     data = torch.load(path)
-    return {tau: {k: v.numpy() for k, v in rows.items()} for tau, rows in data.items()}
+    return {temp_suffix(float(tau)): {k: v.numpy() for k, v in rows.items()} for tau, rows in data.items()}
 
 
 def _fmt(v, digits=3):
