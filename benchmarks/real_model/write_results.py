@@ -58,7 +58,8 @@ def build(root: Path, num_boot: int = 1000) -> tuple[str, dict]:
         f"tokens per objective (packed rows, loss on response tokens only), lr {s['lr']} constant after a 10% warmup, "
         f"{s['precision']}, TP={s['tensor_parallel']}; init study {s['init_steps']} steps per start with e2e TV. "
         f"Held-out: the model's own responses to {s['num_heldout_prompts']} held-out prompts (T=1 sampling). "
-        f"Wall time of the whole run: {summary['elapsed_min']:.0f} min.",
+        f"Wall time of the last invocation of run_objectives.py (stages already complete are skipped): "
+        f"{summary['elapsed_min']:.0f} min.",
         "",
         "Cells: value [bootstrap 95% interval over held-out positions]. alpha_RS per step is over the positions "
         "whose chain reaches that step; E[L](3) (Eq. 12) over positions with a full chain of 3; the slope is "
