@@ -31,12 +31,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 from bebop_megatron.model import is_mtp_param
-from bebop_megatron.training.write_errors import (
-    CheckpointWriteError,
-    raise_agreed_write_error,
-    record_write_errors,
-    write_problem,
-)
+from bebop_megatron.platform.checkpoint_writer import record_write_errors
+from bebop_megatron.training.write_errors import CheckpointWriteError, raise_agreed_write_error, write_problem
 
 LATEST = "latest"
 CONFIG_FILE = "config.yaml"
