@@ -95,7 +95,8 @@ def test_a_missing_or_dangling_latest_resumes_from_the_newest_complete_checkpoin
     (["train.seed=7"], ["train.seed 1234 -> 7"]),  # the random backbone's initialisation
     (["data.seed=7", "train.seq_length=16"], ["data.seed 1234 -> 7", "train.seq_length 32 -> 16"]),
     (["precision=bf16"], ["precision 'fp32' -> 'bf16'"]),  # another optimizer state
-], ids=["num_layers", "sizes", "backbone", "backbone-seed", "data", "precision"])
+    (["parallel.distributed_optimizer=true"], ["parallel.distributed_optimizer False -> True"]),  # its format
+], ids=["num_layers", "sizes", "backbone", "backbone-seed", "data", "precision", "distributed-optimizer"])
 def test_a_changed_model_or_data_definition_is_refused_listing_the_fields(ckpt, overrides, changed):
     message = refusal(ckpt, *overrides, "train.steps=4")
     assert message.startswith(f"cannot resume from {ckpt / 'iter_0000002'}: changed {', '.join(changed)}; ")

@@ -31,6 +31,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 from bebop_megatron.model import is_mtp_param
+from bebop_megatron.platform import torch_adam
 from bebop_megatron.platform.checkpoint_writer import record_write_errors
 from bebop_megatron.training.write_errors import CheckpointWriteError, raise_agreed_write_error, write_problem
 
@@ -170,7 +171,7 @@ def save_training_checkpoint(
     model_sd = _filtered_sharded_state_dict(model, is_mtp_param)
     if model_sd:
         state["model"] = model_sd
-    state["optimizer"] = _same_common_state_on_all_stages(optimizer.sharded_state_dict(model_sd), bool(model_sd))
+    state["optimizer"] = _same_common_state_on_all_stages(_optimizer_state(optimizer, model_sd), bool(model_sd))
     publish = functools.partial(_publish, save_dir, name, keep_last, common.get("config_yaml"))
     record_write_errors()
     if async_saver is None:
@@ -290,6 +291,21 @@ def read_common_state(path: str) -> dict:
     return dist_checkpointing.load_common_state_dict(path)["common"]
 
 
+def _optimizer_state(optimizer, model_sd: dict, is_loading: bool = False) -> dict:
+    """The optimizer's sharded state. Megatron-Core 0.19's distributed optimizer defaults to the
+    deprecated 'fully_sharded_model_space' format, whose flattened ShardedTensors its own
+    dist_checkpointing refuses ("flattened_range is not supported"); 'fully_reshardable' (as
+    Megatron-LM's --dist-ckpt-optim-fully-reshardable) loads at any layout, and the MTP-only
+    state it gathers on each DP rank 0 is small."""
+    metadata = None
+    if getattr(getattr(optimizer, "config", None), "use_distributed_optimizer", False):
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+        if is_loading:
+            torch_adam.give_fresh_adam_state(optimizer)
+            torch_adam.skip_step_when_loading()
+    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+
+
 def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> None:
     """Load MTP weights, optimizer and (if ``restore_rng``) this rank's RNG streams."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -297,7 +313,7 @@ def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> 
     model_sd = _filtered_sharded_state_dict(model, is_mtp_param)
     if model_sd:  # backbone-only stages have nothing to restore but the common state
         state["model"] = model_sd
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        state["optimizer"] = _optimizer_state(optimizer, model_sd, is_loading=True)
     if restore_rng:
         state["rng_state"] = _rng_sharded_object(rank, world)
     loaded = dist_checkpointing.load(state, path)

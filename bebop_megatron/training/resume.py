@@ -156,6 +156,8 @@ def _refused(key: str, old, new, cfg: Config) -> bool:
         return True
     if key == "precision":  # bf16 and fp8 share bf16 weights and fp32 optimizer state
         return not {old, new} <= {"bf16", "fp8"}
+    if key == "parallel.distributed_optimizer":  # the optimizer state is saved in another format
+        return True
     if key == "train.seed":  # seeds the random backbone's initialisation
         return not (cfg.model.backbone_checkpoint or cfg.model.init_checkpoint)
     return False
