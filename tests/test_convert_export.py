@@ -34,6 +34,7 @@ import torch
 
 from tests.helpers.cli_batch import run_batch
 from tests.helpers.convert_models import make_hf_model
+from tests.helpers.handoff_checks import failed_at_step_2
 from tests.helpers.launch import REPO, run_script
 
 EXPORT_CLI = str(REPO / "tools" / "convert_to_hf.py")
@@ -333,20 +334,6 @@ def test_mimo_two_mtp_layers_refused_for_vllm(batch):
 
 
 
-def _failed_at_step_2(proc, engine: str, trained: str) -> None:
-    """--verify stops at draft step 2 with one line naming the step and both hand-offs;
-    step 1 matched. The warning printed before writing names the same mismatch. (The
-    model's load writes library warnings to stderr too.)"""
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, proc.stderr[-2000:]
-    line = errors[0]
-    assert line.startswith("error: verification failed: draft logits of MTP step 2 of 3:"), line
-    assert (f"hands each draft step the next the {engine} state" in line
-            and f"trained with mtp.next_step_input={trained} (a hand-off mismatch); step 1 matched" in line), line
-    assert f"warning: the MTP heads were trained with mtp.next_step_input={trained}" in proc.stdout, proc.stdout
-
-
 def test_handoff_default_and_legacy(batch):
     """vLLM's default hand-off is post-norm for every format; ``--vllm-handoff pre_norm`` (vLLM
     releases before PR #45895) is GLM/DeepSeek-only and is verified against heads trained that
@@ -360,9 +347,9 @@ def test_handoff_default_and_legacy(batch):
     assert "max_diff_mtp3" in log and "each handing the next the pre-norm state as vllm does" in log, log
     assert "warning:" not in log and "serve with (one of vLLM releases before PR #45895" in log, log
     # ... and fail at step 2 for current vLLM and for SGLang (post-norm)
-    _failed_at_step_2(results["handoff/glm_pre_vllm"], "post-norm", "pre_norm")
-    _failed_at_step_2(results["handoff/glm_pre_sglang"], "post-norm", "pre_norm")
+    failed_at_step_2(results["handoff/glm_pre_vllm"], "post-norm", "pre_norm")
+    failed_at_step_2(results["handoff/glm_pre_sglang"], "post-norm", "pre_norm")
     # heads trained post_norm exported for legacy vLLM: fail at step 2; K=1 never hands anything on
-    _failed_at_step_2(results["handoff/glm_legacy_on_post"], "pre-norm", "post_norm")
+    failed_at_step_2(results["handoff/glm_legacy_on_post"], "pre-norm", "post_norm")
     log = ok(results["handoff/glm_legacy_on_post_k1"]).stdout
     assert "max_diff_mtp1" in log and "max_diff_mtp2" not in log and "warning:" not in log, log

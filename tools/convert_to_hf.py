@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "2026-06-19; for heads trained with mtp.next_step_input=pre_norm)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="draft steps to verify and to put in the printed serve command (default: the trained "
-                        "mtp.num_steps; one MTP layer is reused for every step)")
+                        "mtp.num_steps); a single MTP layer is reused for every step, several need K = their number")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--mtp-only", action="store_true", help="write the draft (MTP) checkpoint alone")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
