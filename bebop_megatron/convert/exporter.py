@@ -165,7 +165,7 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     target_model = out_dir if not mtp_only else "<TARGET_MODEL_DIR>"
     log(f"wrote {out_dir}: {fmt_name} for {target}{' (MTP only)' if mtp_only else ''}, {len(tensors)} tensors, "
         f"{num_mtp} MTP layer(s)")
-    legacy = f" (one of {handoff_mod.VLLM_LEGACY})" if engine != fmt.engine_handoffs[target][0] else ""
+    legacy = f" (one of {handoff_mod.VLLM_LEGACY})" if engine != handoff_mod.engine_handoffs(fmt)[target][0] else ""
     log(f"serve with{legacy}:\n  " + fmt.serve(out_dir, target, mtp_only, target_model, num_mtp, num_steps=K))
     return summary
 
@@ -200,6 +200,8 @@ class Chain:
 
 def verify_export(out_dir, model, fmt, config, expected, chain: Chain, mtp_only, vocab, tol) -> dict:
     """Reload the files, check the key set, and compare an independent K-step MTP forward's logits."""
+    if fmt.name not in verify_mod.REFERENCES or (not mtp_only and fmt.name not in verify_mod.BACKBONES):
+        raise ConvertError(f"--verify has no reference forward for --format {fmt.name} (pass --no-verify)")
     written = read_all(out_dir)
     verify_mod.check_keys(written, expected)
     tokens = torch.randint(0, vocab, (2, max(16, chain.num_steps + 8)), generator=torch.Generator().manual_seed(0))

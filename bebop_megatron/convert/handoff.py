@@ -21,6 +21,13 @@ from bebop_megatron.convert.errors import ConvertError
 
 HANDOFFS = ("post_norm", "pre_norm")
 VLLM_LEGACY = "vLLM releases before PR #45895 (merged 2026-06-19)"
+# A format without ``engine_handoffs`` runs post-norm in both engines (Qwen3-Next/3.5, MiMo).
+DEFAULT_ENGINE_HANDOFFS = {"vllm": ("post_norm",), "sglang": ("post_norm",)}
+
+
+def engine_handoffs(fmt) -> dict[str, tuple[str, ...]]:
+    """Per target, the hand-offs the format's draft has run in that engine; the first is today's."""
+    return getattr(fmt, "engine_handoffs", DEFAULT_ENGINE_HANDOFFS)
 
 
 def describe(handoff: str) -> str:
@@ -30,7 +37,7 @@ def describe(handoff: str) -> str:
 def engine_handoff(fmt, target: str, vllm_handoff: str | None = None) -> str:
     """The hand-off the target engine runs for ``fmt``; ``vllm_handoff`` picks another one the
     format's vLLM draft has run (``pre_norm``: DeepSeek-V3 / GLM-4.5 before PR #45895)."""
-    allowed = fmt.engine_handoffs[target]
+    allowed = engine_handoffs(fmt)[target]
     if vllm_handoff is None:
         return allowed[0]
     if vllm_handoff not in HANDOFFS:
@@ -88,9 +95,9 @@ def num_draft_steps(requested: int | None, trained: TrainedChain, num_mtp: int, 
 def mismatch_warning(fmt, trained: str, engine: str, target: str) -> str:
     """One line: the heads were trained with another hand-off than the engine runs."""
     fixes = [f"train with mtp.next_step_input={engine}"]
-    if trained in fmt.engine_handoffs["vllm"][1:]:
+    if trained in engine_handoffs(fmt)["vllm"][1:]:
         fixes.insert(0, f"serve with {VLLM_LEGACY} and export with --vllm-handoff {trained}")
-    elif target == "vllm" and trained == fmt.engine_handoffs["vllm"][0]:
+    elif target == "vllm" and trained == engine_handoffs(fmt)["vllm"][0]:
         fixes.insert(0, "serve with current vLLM (drop --vllm-handoff)")
     return (f"warning: the MTP heads were trained with mtp.next_step_input={trained}, but {target} hands the next "
             f"draft step the {describe(engine)} state: acceptance from draft step 2 on can be lower than training "

@@ -129,7 +129,7 @@ def draft_chain(ref, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor, num_step
     MTP layer ``(k-1) % ref.num_layers`` and hands step k+1 its output after the final norm
     (``post_norm``) or before it (``pre_norm``)."""
     S = tokens_BS.shape[1]
-    h = hidden_BSH.float()
+    h = hidden_BSH.to(torch.promote_types(hidden_BSH.dtype, torch.float32))  # float32 at least
     out = []
     for k in range(1, num_steps + 1):
         L = S - k
