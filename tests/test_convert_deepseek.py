@@ -7,8 +7,12 @@ one NextN layer stored as the published checkpoints store it): plain RoPE, and Y
 - import: the Megatron model's logits equal transformers' (relative 1e-4) at TP=1, EP=2 and
   TP=2 with SP on 2 ranks (the YaRN model at TP=1 and TP=2);
 - export ``--format deepseek`` for vLLM and SGLang, full and ``--mtp-only``: exactly the names
-  pinned below, the engines' configs, ``--verify`` passes (transformers' DeepSeek-V3 model and
-  decoder layer as the independent forward), the serve command;
+  pinned below, the engines' configs, ``--verify`` passes for K=3 draft steps through the one
+  reused NextN layer (transformers' DeepSeek-V3 model and decoder layer as the independent
+  forward) and for K=2 through two NextN layers (vLLM), the serve command;
+- the hand-off: post-norm by default (current vLLM since PR #45895, SGLang); ``--vllm-handoff
+  pre_norm`` (vLLM before it) verifies heads recorded as trained pre-norm and fails at step 2
+  for heads trained post-norm (and SGLang fails at step 2 for pre-norm heads);
 - HF -> Megatron -> HF reproduces every tensor bit-exactly (both models);
 - what the key map cannot represent is refused with one line naming it.
 The conversions and exports run in one process (tests/helpers/cli_batch.py, each as the
@@ -24,6 +28,7 @@ import torch
 
 from tests.helpers.cli_batch import run_batch
 from tests.helpers.convert_models import make_hf_model
+from tests.helpers.handoff_checks import failed_at_step_2
 from tests.helpers.launch import run_script
 
 ATTN = ["input_layernorm.weight", "post_attention_layernorm.weight"] + [
@@ -46,6 +51,7 @@ EXPECTED = {  # vLLM: absolute index N=3 with head/embedding copies; SGLang Next
     ("sglang", True): {f"model.layers.0.{n}" for n in MOE + NEXTN},
 }
 COMBOS = [(t, m) for t in ("vllm", "sglang") for m in (False, True)]
+LEGACY = ("--vllm-handoff", "pre_norm")  # vLLM releases before PR #45895
 MODELS = {  # name -> (make_hf_model family, layouts checked on 2 ranks)
     "rope": ("deepseek_v3", ["parallel.tensor=1", "parallel.expert=2",
                              "parallel.tensor=2,parallel.sequence_parallel=true"]),
@@ -85,10 +91,23 @@ def deepseek(tmp_path_factory):
         add(f"rope/{target}/{mtp_only}", "convert_to_hf",
             ["--checkpoint", str(root / "rope" / "megatron"), "--format", "deepseek", "--target", target,
              "--out", str(root / "out" / f"rope_{target}_{mtp_only}"), *(["--mtp-only"] if mtp_only else [])])
+    # two NextN layers (vLLM only); the rope model's heads recorded as trained pre-norm
+    hf2 = make_hf_model("deepseek_v3", root / "rope2" / "hf", num_mtp=2)
+    add("import/rope2", "convert_from_hf", ["--hf-dir", str(hf2), "--out", str(root / "rope2" / "megatron")])
+    add("rope2/vllm/True", "convert_to_hf", ["--checkpoint", str(root / "rope2" / "megatron"), "--format", "deepseek",
+                                             "--target", "vllm", "--mtp-only", "--out", str(root / "out" / "rope2")])
+    names.append("record/rope_pre")
+    calls.append({"tool": "record_mtp", "argv": [str(root / "rope" / "megatron"), str(root / "rope_pre" / "megatron"),
+                                                 "next_step_input=pre_norm"]})
+    for name, model, target, extra in (("handoff/pre_legacy", "rope_pre", "vllm", LEGACY),
+                                       ("handoff/pre_sglang", "rope_pre", "sglang", ()),
+                                       ("handoff/post_legacy", "rope", "vllm", LEGACY)):
+        add(name, "convert_to_hf", ["--checkpoint", str(root / model / "megatron"), "--format", "deepseek", "--target",
+                                    target, "--mtp-only", "--out", str(root / "out" / name.replace("/", "_")), *extra])
     add("yarn/vllm/False", "convert_to_hf", ["--checkpoint", str(root / "yarn" / "megatron"), "--format", "deepseek",
                                              "--target", "vllm", "--out", str(root / "out" / "yarn_vllm_False")])
     results = dict(zip(names, run_batch(calls, root / "batch")))
-    for name in MODELS:
+    for name in [*MODELS, "rope2"]:
         ok(results[f"import/{name}"])
     (root / "cases.json").write_text(json.dumps(cases))
     run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json")], 2)
@@ -112,7 +131,8 @@ def test_export_key_set_and_verify(deepseek, target, mtp_only):
     root, results, _ = deepseek
     log = ok(results[f"rope/{target}/{mtp_only}"]).stdout
     out = root / "out" / f"rope_{target}_{mtp_only}"
-    assert "verified:" in log and "max_diff_mtp1" in log, log
+    assert "verified:" in log and "max_diff_mtp3" in log, log  # K=3 through the reused NextN layer
+    assert "3 draft step(s) through 1 MTP layer(s), each handing the next the post-norm state" in log, log
     assert ("max_diff_backbone" in log) == (not mtp_only)
     assert set(load_dir(out)) == EXPECTED[target, mtp_only]
     conf = json.loads((out / "config.json").read_text())
@@ -139,6 +159,20 @@ def test_round_trip_bit_exact(deepseek, name):
     assert set(written) == set(source)
     for key, t in source.items():
         assert written[key].dtype == t.dtype and torch.equal(written[key], t), key
+
+
+def test_two_nextn_layers_and_handoffs(deepseek):
+    """K=2 through two NextN layers (absolute indices N, N+1) for vLLM; the legacy vLLM hand-off
+    verified against heads trained pre-norm, and a mismatch failing at step 2."""
+    root, results, _ = deepseek
+    log = ok(results["rope2/vllm/True"]).stdout
+    assert "max_diff_mtp2" in log and "2 draft step(s) through 2 MTP layer(s)" in log, log
+    assert set(load_dir(root / "out" / "rope2")) == LAYER3 | {n.replace("layers.3.", "layers.4.") for n in LAYER3}
+    log = ok(results["handoff/pre_legacy"]).stdout
+    assert "max_diff_mtp3" in log and "each handing the next the pre-norm state as vllm does" in log, log
+    assert "warning:" not in log
+    failed_at_step_2(results["handoff/pre_sglang"], "post-norm", "pre_norm")
+    failed_at_step_2(results["handoff/post_legacy"], "pre-norm", "post_norm")
 
 
 def _describe_error(**changes) -> str:

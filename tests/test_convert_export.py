@@ -6,7 +6,12 @@ router bias in float32, as published) checkpoints, built with
 transformers' classes, are imported with ``tools/convert_from_hf.py``. Checked:
 - every format/target/--mtp-only combination writes exactly the names pinned below (vLLM's
   and SGLang's MiMo loaders), and ``--verify`` (on) passes: the independent forward's draft
-  logits match the Megatron model's;
+  logits match the Megatron model's for K=3 steps through the one reused MTP layer (the
+  imported models' ``mtp.num_steps``), and for K=2 through GLM's two NextN layers;
+- the step-to-step hand-off: both engines' default is post-norm (current vLLM for GLM since
+  PR #45895); ``--vllm-handoff pre_norm`` (vLLM before it) verifies heads recorded as trained
+  with ``mtp.next_step_input=pre_norm`` and fails at step 2, naming step and hand-offs, for
+  heads trained post-norm (and the reverse), while step 1 matches; refused for MiMo and SGLang;
 - HF -> Megatron -> HF reproduces every tensor of the source bit-exactly;
 - the independent forward is sensitive to the projection's concat order (a swapped
   ``input_proj`` changes the draft logits), so the verification would catch it;
@@ -29,6 +34,7 @@ import torch
 
 from tests.helpers.cli_batch import run_batch
 from tests.helpers.convert_models import make_hf_model
+from tests.helpers.handoff_checks import failed_at_step_2
 from tests.helpers.launch import REPO, run_script
 
 EXPORT_CLI = str(REPO / "tools" / "convert_to_hf.py")
@@ -140,8 +146,23 @@ def batch(tmp_path_factory):
     export_call("glm_2mtp/sglang", "glm_2mtp", "glm4_moe", "sglang")
     export_call("mimo_2mtp/sglang", "mimo_2mtp", "mimo", "sglang")
     export_call("mimo_2mtp/vllm", "mimo_2mtp", "mimo", "vllm", "--mtp-only")
+    export_call("glm_2mtp/vllm_k3", "glm_2mtp", "glm4_moe", "vllm", "--mtp-only", "--num-speculative-tokens", "3")
     export_call("qwen2_copy/sglang", "qwen2_copy", "mimo", "sglang")
     export_call("qwen3/mimo", "qwen3", "mimo", "vllm")
+    # hand-offs: the imported GLM model is recorded post_norm (the default); glm_pre is the same
+    # weights recorded as trained with mtp.next_step_input=pre_norm
+    names.append("record/glm_pre")
+    calls.append({"tool": "record_mtp", "argv": [str(root / "glm" / "megatron"), str(root / "glm_pre" / "megatron"),
+                                                 "next_step_input=pre_norm"]})
+    legacy = ("--vllm-handoff", "pre_norm")
+    export_call("handoff/mimo_legacy", "mimo", "mimo", "vllm", *legacy)
+    export_call("handoff/glm_legacy_on_post", "glm", "glm4_moe", "vllm", "--mtp-only", *legacy)
+    export_call("handoff/glm_legacy_on_post_k1", "glm", "glm4_moe", "vllm", "--mtp-only", *legacy,
+                "--num-speculative-tokens", "1")
+    export_call("handoff/glm_pre_legacy", "glm_pre", "glm4_moe", "vllm", *legacy)
+    export_call("handoff/glm_pre_vllm", "glm_pre", "glm4_moe", "vllm", "--mtp-only")
+    export_call("handoff/glm_pre_sglang", "glm_pre", "glm4_moe", "sglang", "--mtp-only")
+    export_call("handoff/glm_sglang_legacy", "glm", "glm4_moe", "sglang", *legacy)
     base = ["--checkpoint", str(root / "mimo" / "megatron"), "--out", str(root / "out" / "error")]
     add("error/deepseek", "convert_to_hf", [*base, "--format", "deepseek", "--target", "vllm"])
     add("error/glm_on_mimo", "convert_to_hf", [*base, "--format", "glm4_moe", "--target", "vllm"])
@@ -166,7 +187,9 @@ def test_export_key_set_and_verify(batch, fmt, target, mtp_only):
     name = f"{fmt}/{target}/{mtp_only}"
     proc = ok(results[name])
     out = root / "out" / name.replace("/", "_")
-    assert "verified:" in proc.stdout and "max_diff_mtp1" in proc.stdout, proc.stdout
+    # K=3 draft steps (the imported model's mtp.num_steps) through the one reused MTP layer
+    assert "verified:" in proc.stdout and "max_diff_mtp3" in proc.stdout, proc.stdout
+    assert "3 draft step(s) through 1 MTP layer(s), each handing the next the post-norm state" in proc.stdout
     assert ("max_diff_backbone" in proc.stdout) == (not mtp_only)
     written = load_dir(out)
     assert set(written) == EXPECTED[fmt][(target, mtp_only)]
@@ -181,6 +204,7 @@ def test_export_key_set_and_verify(batch, fmt, target, mtp_only):
         assert conf["architectures"] == ["Glm4MoeForCausalLM"] and conf["num_hidden_layers"] == 2
     assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
     assert ("speculative-use-rejection-sampling" if target == "sglang" else "probabilistic") in proc.stdout
+    assert ("--speculative-num-steps 3 " if target == "sglang" else '"num_speculative_tokens": 3') in proc.stdout
 
 
 @pytest.mark.parametrize("fmt, model", [("mimo", "mimo"), ("glm4_moe", "glm")])
@@ -194,11 +218,14 @@ def test_round_trip_bit_exact(batch, fmt, model):
 
 
 def test_glm_two_mtp_layers(batch):
-    """Two NextN layers: vLLM export verified (absolute indices N, N+1; step 2 gets step 1's
-    output before shared_head.norm, as vLLM computes: mtp.next_step_input=pre_norm); SGLang
-    refused."""
+    """Two NextN layers: vLLM export verified for K=2 (absolute indices N, N+1; step 2 gets
+    step 1's output after shared_head.norm, as current vLLM computes); K=3 cannot be verified
+    (Megatron runs two layers as two steps); SGLang refused."""
     root, results = batch
-    assert "max_diff_mtp2" in ok(results["glm_2mtp/vllm"]).stdout
+    log = ok(results["glm_2mtp/vllm"]).stdout
+    assert "max_diff_mtp2" in log and "2 draft step(s) through 2 MTP layer(s)" in log, log
+    assert "the checkpoint has 2 MTP layers, which the Megatron model runs as exactly 2 steps" in _error_line(
+        results["glm_2mtp/vllm_k3"])
     names = set(load_dir(root / "out" / "glm_2mtp_vllm"))
     assert names == GLM_LAYER2 | {n.replace("layers.2.", "layers.3.") for n in GLM_LAYER2}
     assert "SGLang loads one NextN layer; the checkpoint has 2" in _error_line(results["glm_2mtp/sglang"])
@@ -275,14 +302,16 @@ def test_export_from_training_checkpoint(batch, tmp_path):
     assert not torch.equal(trained["model.mtp_layers.0.input_proj.weight"],
                            source["model.mtp_layers.0.input_proj.weight"])
     assert torch.equal(trained["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
-    # Trained with the default post_norm chain, as MiMo's engines run it: no warning. An
-    # engine that runs pre_norm gets one line naming the setting to train with.
+    # K = the trained mtp.num_steps (2), one reused layer; trained with the default post_norm
+    # chain, as MiMo's engines run it: no warning.
+    assert "max_diff_mtp2" in proc.stdout and "max_diff_mtp3" not in proc.stdout, proc.stdout
     assert "warning:" not in proc.stdout
-    from bebop_megatron.convert.exporter import _warn_if_trained_otherwise
+    from bebop_megatron.convert.exporter import _training_common
+    from bebop_megatron.convert.handoff import trained_chain
 
-    lines = []
-    _warn_if_trained_otherwise(str(save / (save / "latest").read_text()), "pre_norm", "vllm", lines.append)
-    assert len(lines) == 1 and "train with mtp.next_step_input=pre_norm for vllm" in lines[0], lines
+    ckpt = str(save / (save / "latest").read_text())
+    trained = trained_chain(ckpt, _training_common(ckpt))
+    assert (trained.num_steps, trained.handoff, trained.source) == (2, "post_norm", "the training config")
 
 
 def test_qwen2_copy_last_layer_as_mimo(batch):
@@ -303,3 +332,24 @@ def test_mimo_two_mtp_layers_refused_for_vllm(batch):
     line = _error_line(batch[1]["mimo_2mtp/vllm"])
     assert "vLLM's MiMoMTP predicts with its first MTP layer only; the checkpoint has 2" in line
 
+
+
+def test_handoff_default_and_legacy(batch):
+    """vLLM's default hand-off is post-norm for every format; ``--vllm-handoff pre_norm`` (vLLM
+    releases before PR #45895) is GLM/DeepSeek-only and is verified against heads trained that
+    way; a mismatch of training and target fails --verify at step 2 while step 1 matches."""
+    results = batch[1]
+    assert ("vLLM's mimo draft hands the next step the post-norm state in every release"
+            in _error_line(results["handoff/mimo_legacy"]))
+    assert "--vllm-handoff applies to --target vllm only" in _error_line(results["handoff/glm_sglang_legacy"])
+    # heads recorded as trained pre_norm: verified for legacy vLLM, K=3 through the reused layer
+    log = ok(results["handoff/glm_pre_legacy"]).stdout
+    assert "max_diff_mtp3" in log and "each handing the next the pre-norm state as vllm does" in log, log
+    assert "warning:" not in log and "serve with (one of vLLM releases before PR #45895" in log, log
+    # ... and fail at step 2 for current vLLM and for SGLang (post-norm)
+    failed_at_step_2(results["handoff/glm_pre_vllm"], "post-norm", "pre_norm")
+    failed_at_step_2(results["handoff/glm_pre_sglang"], "post-norm", "pre_norm")
+    # heads trained post_norm exported for legacy vLLM: fail at step 2; K=1 never hands anything on
+    failed_at_step_2(results["handoff/glm_legacy_on_post"], "pre-norm", "post_norm")
+    log = ok(results["handoff/glm_legacy_on_post_k1"]).stdout
+    assert "max_diff_mtp1" in log and "max_diff_mtp2" not in log and "warning:" not in log, log

@@ -4,8 +4,9 @@ Same weights in both models. Step 0 (the backbone) and step 1 never differ. With
 final-norm weights, ``pre_norm`` and ``post_norm`` differ from step 2 on (the norm's
 per-channel scale reaches the next step's ``hnorm`` only in ``post_norm``); with unit weights
 they agree, since RMSNorm is scale-invariant: ``hnorm(x / rms(x)) == hnorm(x)``. Which one
-each engine computes is checked by the export verification (tests/test_convert_export.py:
-vLLM GLM-4.5 with two NextN layers runs pre_norm, MiMo post_norm).
+each engine computes is checked by the export verification over K steps
+(tests/test_convert_export.py, tests/test_convert_deepseek.py: post_norm for every format by
+default, pre_norm for GLM/DeepSeek with ``--vllm-handoff pre_norm``; a mismatch fails at step 2).
 """
 
 from __future__ import annotations

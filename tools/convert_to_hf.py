@@ -18,9 +18,15 @@ so ``--backbone`` names the model.backbone_checkpoint) or a full model checkpoin
 convert_from_hf.py). The training checkpoint records its backbone's path and a fingerprint of
 its files; another ``--backbone`` is refused (``--allow-moved-backbone``: the same files
 elsewhere, checked by fingerprint alone). The source config.json and tokenizer come from
-``hf/`` next to the backbone checkpoint, or ``--hf-dir``. ``--verify`` (default) reloads the written files,
-checks every name and shape, and compares an independent pure-PyTorch MTP forward with the
-Megatron model's draft logits. The logic lives in :mod:`bebop_megatron.convert.exporter`.
+``hf/`` next to the backbone checkpoint, or ``--hf-dir``. ``--verify`` (default) reloads the
+written files, checks every name and shape, and compares K draft steps
+(``--num-speculative-tokens``, default the trained ``mtp.num_steps``) of an independent
+pure-PyTorch MTP forward, chained as the target engine hands step k+1 its input, with the
+Megatron model's, chained as the heads were trained (``mtp.next_step_input``): a mismatch
+fails from step 2 on. Both engines hand on the MTP output after its final norm (vLLM's
+DeepSeek-V3 / GLM-4.5 drafts since PR #45895, merged 2026-06-19); ``--vllm-handoff pre_norm``
+targets those drafts in vLLM releases before it. The logic lives in
+:mod:`bebop_megatron.convert.exporter`.
 """
 
 import argparse
@@ -38,11 +44,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "not its path")
     p.add_argument("--hf-dir", default=None, help="source HF config.json + tokenizer (default: BACKBONE/hf)")
     p.add_argument("--format", required=True, help="mimo | glm4_moe | deepseek (DeepSeek-V3)")
-    p.add_argument("--target", required=True, help="vllm | sglang")
+    p.add_argument("--target", required=True, help="vllm | sglang (current releases: both hand draft step k+1 the "
+                   "MTP output after its final norm, as mtp.next_step_input=post_norm trains)")
+    p.add_argument("--vllm-handoff", default=None, metavar="post_norm|pre_norm",
+                   help="what vLLM's draft hands step k+1: post_norm (default; current vLLM, every format) or "
+                        "pre_norm (the DeepSeek-V3 / GLM-4.5 drafts of vLLM releases before PR #45895, merged "
+                        "2026-06-19; for heads trained with mtp.next_step_input=pre_norm)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="draft steps to verify and to put in the printed serve command (default: the trained "
+                        "mtp.num_steps); a single MTP layer is reused for every step, several need K = their number")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--mtp-only", action="store_true", help="write the draft (MTP) checkpoint alone")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                   help="check names, shapes and draft logits after writing (default: on)")
+                   help="check names, shapes and K steps of draft logits after writing (default: on)")
     p.add_argument("--tolerance", type=float, default=1e-4,
                    help="max |logits difference| relative to max(1, |logits|) (default 1e-4; float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -55,7 +69,8 @@ def main(argv=None) -> None:
 
     convert_to_hf(args.checkpoint, args.out, args.format, args.target, backbone=args.backbone,
                   hf_dir=args.hf_dir, mtp_only=args.mtp_only, verify=args.verify, tol=args.tolerance,
-                  progress=not args.no_progress, allow_moved_backbone=args.allow_moved_backbone)
+                  progress=not args.no_progress, allow_moved_backbone=args.allow_moved_backbone,
+                  num_steps=args.num_speculative_tokens, vllm_handoff=args.vllm_handoff)
 
 
 if __name__ == "__main__":

@@ -132,11 +132,13 @@ class MTPConfig:
     (``benchmarks/real_model/RESULTS.md``)."""
     next_step_input: str = "post_norm"
     """What MTP step k hands to step k+1: its output after its final norm (``post_norm``:
-    Megatron-Core's ``MultiTokenPredictionBlock``; what SGLang's NextN/MiMo drafts and vLLM's
-    MiMo draft compute) or before it (``pre_norm``: what vLLM's DeepSeek-V3 / GLM-4.5 MTP drafts
-    compute, as DeepSeek-V3 was trained). Train with the serving engine's choice: it only
-    matters from draft step 2 on. Step 1 always gets the backbone's final-norm output; each
-    step's logits always use its final norm."""
+    Megatron-Core's ``MultiTokenPredictionBlock``, and what current vLLM and SGLang drafts of
+    every family compute; vLLM's DeepSeek-V3 / GLM-4.5 drafts since vLLM PR #45895, merged
+    2026-06-19) or before it (``pre_norm``: the DeepSeek-V3 / GLM-4.5 drafts of vLLM releases
+    before PR #45895; export those heads with ``convert_to_hf.py --vllm-handoff pre_norm``).
+    Train with the serving engine's choice: it only matters from draft step 2 on, and export
+    ``--verify`` fails at step 2 when it differs from the target's. Step 1 always gets the
+    backbone's final-norm output; each step's logits always use its final norm."""
 
 
 @dataclass

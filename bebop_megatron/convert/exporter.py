@@ -4,15 +4,19 @@
 Full export: backbone and MTP layers in the format's names, ``config.json`` with the MTP
 field set, sharded safetensors with an index, tokenizer files. ``--mtp-only``: the draft
 checkpoint alone, with the embedding/head copies the target engine's loader needs.
+``--verify``: K draft steps of the Megatron model, chained as the heads were trained
+(``mtp.next_step_input``), against an independent forward of the written files chained as
+the target engine runs them (:mod:`bebop_megatron.convert.handoff`).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
-from bebop_megatron.convert import megatron_io, verify as verify_mod
+from bebop_megatron.convert import handoff as handoff_mod, megatron_io, verify as verify_mod
 from bebop_megatron.convert.backbone_check import check_backbone
 from bebop_megatron.convert.errors import ConvertError
 from bebop_megatron.convert.formats import TARGETS, Glm4Moe, MiMo, get_format
@@ -84,11 +88,15 @@ def _hf_dir(explicit, candidates) -> str:
 
 def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, backbone: str | None = None,
                   hf_dir: str | None = None, mtp_only: bool = False, verify: bool = True, tol: float = 1e-4,
-                  progress: bool = True, allow_moved_backbone: bool = False, log=print) -> dict:
+                  progress: bool = True, allow_moved_backbone: bool = False, num_steps: int | None = None,
+                  vllm_handoff: str | None = None, log=print) -> dict:
     """Write ``out_dir``; returns a summary (number of tensors, verification differences).
 
     ``backbone`` must be the one a training checkpoint's heads were trained on (its recorded
-    path and fingerprint; with ``allow_moved_backbone`` the fingerprint alone)."""
+    path and fingerprint; with ``allow_moved_backbone`` the fingerprint alone). ``num_steps``:
+    draft steps K to verify and serve (default: the trained ``mtp.num_steps``);
+    ``vllm_handoff``: ``pre_norm`` for the DeepSeek-V3 / GLM-4.5 drafts of vLLM releases before
+    PR #45895 (see :mod:`bebop_megatron.convert.handoff`)."""
     from tqdm import tqdm
 
     from bebop_megatron.model import is_mtp_param
@@ -96,6 +104,7 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     if target not in TARGETS:
         raise ConvertError(f"unknown --target {target!r} (choose from {', '.join(TARGETS)})")
     fmt = get_format(fmt_name)
+    engine = handoff_mod.engine_handoff(fmt, target, vllm_handoff)
     ckpt = megatron_io.resolve_checkpoint(checkpoint)
     shapes = megatron_io.checkpoint_shapes(ckpt)
     num_mtp = megatron_io.num_mtp_layers(shapes)
@@ -119,11 +128,13 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     if rows < hf.vocab_size:
         raise ConvertError(f"checkpoint vocabulary {rows} < config.json vocab_size {hf.vocab_size}")
 
-    # The Megatron model runs the chain the way the target engine does (verification compares
-    # against that engine's semantics); see mtp.next_step_input.
-    engine_chain = fmt.next_step_input(target)
-    _warn_if_trained_otherwise(ckpt, engine_chain, target, log)
-    cfg = megatron_io.make_config(model_overrides(hf, rows, 1), num_mtp, num_mtp, engine_chain)
+    # The Megatron model runs K steps chained as the heads were trained; the reference chains
+    # them as the target engine does, so a hand-off mismatch fails --verify from step 2 on.
+    trained = handoff_mod.trained_chain(ckpt, _training_common(ckpt))
+    K = handoff_mod.num_draft_steps(num_steps, trained, num_mtp, verify)
+    if trained.handoff != engine and K > 1:
+        log(handoff_mod.mismatch_warning(fmt, trained.handoff, engine, target))
+    cfg = megatron_io.make_config(model_overrides(hf, rows, 1), num_mtp, K if verify else num_mtp, trained.handoff)
     model = megatron_io.build(cfg)
     megatron_io.load(bb, model, lambda k: not is_mtp_param(k))
     megatron_io.load(ckpt, model, is_mtp_param)
@@ -140,20 +151,22 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
             f.write(text)
     tok_src = hf_dir or _hf_dir(None, [backbone, checkpoint, bb])
     copy_tokenizer(tok_src, out_dir)
-    summary = {"tensors": len(tensors), "num_mtp_layers": num_mtp}
+    summary = {"tensors": len(tensors), "num_mtp_layers": num_mtp, "num_steps": K, "handoff": engine}
     if verify:
         if hf.dtype != torch.float32:  # compare like with like: the written weights are rounded
             with torch.no_grad():
                 for param in model.parameters():
                     param.copy_(param.to(hf.dtype).float())
-        summary.update(verify_export(out_dir, model, fmt, config, expected, num_mtp, target, mtp_only,
-                                     hf.vocab_size, tol))
-        log(f"verified: {len(expected)} tensors with the expected names and shapes; "
-            + ", ".join(f"{k} max|diff| {v:.2e}" for k, v in summary.items() if k.startswith("max_diff")))
+        chain = Chain(num_mtp, K, engine, trained.handoff, target)
+        summary.update(verify_export(out_dir, model, fmt, config, expected, chain, mtp_only, hf.vocab_size, tol))
+        log(f"verified: {len(expected)} tensors with the expected names and shapes; {K} draft step(s) through "
+            f"{num_mtp} MTP layer(s), each handing the next the {handoff_mod.describe(engine)} state as {target} "
+            "does; " + ", ".join(f"{k} max|diff| {v:.2e}" for k, v in summary.items() if k.startswith("max_diff")))
     target_model = out_dir if not mtp_only else "<TARGET_MODEL_DIR>"
     log(f"wrote {out_dir}: {fmt_name} for {target}{' (MTP only)' if mtp_only else ''}, {len(tensors)} tensors, "
         f"{num_mtp} MTP layer(s)")
-    log("serve with:\n  " + fmt.serve(out_dir, target, mtp_only, target_model, num_mtp))
+    legacy = f" (one of {handoff_mod.VLLM_LEGACY})" if engine != handoff_mod.engine_handoffs(fmt)[target][0] else ""
+    log(f"serve with{legacy}:\n  " + fmt.serve(out_dir, target, mtp_only, target_model, num_mtp, num_steps=K))
     return summary
 
 
@@ -173,49 +186,46 @@ def _training_common(ckpt: str) -> dict | None:
     return common if isinstance(common, dict) else None
 
 
-def _warn_if_trained_otherwise(ckpt: str, engine_chain: str, target: str, log) -> None:
-    """One warning line when a training checkpoint's heads were trained with another
-    ``mtp.next_step_input`` than the target engine runs (draft steps >= 2 then differ)."""
-    from omegaconf import OmegaConf
+@dataclass(frozen=True)
+class Chain:
+    """The K-step chain to verify: MTP layers, steps, the target engine's hand-off (the
+    reference's) and the trained one (the Megatron model's)."""
 
-    common = _training_common(ckpt) or {}
-    text = common.get("config_yaml")
-    if not text:
-        return
-    mtp = OmegaConf.create(text).get("mtp", {})
-    trained = mtp.get("next_step_input", "post_norm")
-    if trained != engine_chain and int(mtp.get("num_steps", 1)) > 1:
-        log(f"warning: the MTP heads were trained with mtp.next_step_input={trained}, but {target} hands "
-            f"the next draft step the {engine_chain.replace('_', '-')} state: acceptance from draft step 2 on "
-            f"can be lower than training measured; train with mtp.next_step_input={engine_chain} for {target}")
+    num_layers: int
+    num_steps: int
+    engine: str
+    trained: str
+    target: str
 
 
-def verify_export(out_dir, model, fmt, config, expected, num_mtp, target, mtp_only, vocab, tol) -> dict:
-    """Reload the files, check the key set, and compare an independent MTP forward's logits."""
+def verify_export(out_dir, model, fmt, config, expected, chain: Chain, mtp_only, vocab, tol) -> dict:
+    """Reload the files, check the key set, and compare an independent K-step MTP forward's logits."""
+    if fmt.name not in verify_mod.REFERENCES or (not mtp_only and fmt.name not in verify_mod.BACKBONES):
+        raise ConvertError(f"--verify has no reference forward for --format {fmt.name} (pass --no-verify)")
     written = read_all(out_dir)
     verify_mod.check_keys(written, expected)
-    tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, vocab, (2, max(16, chain.num_steps + 8)), generator=torch.Generator().manual_seed(0))
     hidden, logits = megatron_io.forward_hidden_and_logits(model, tokens, vocab)
     result = {}
     if mtp_only:
         h = hidden[0]  # the backbone is not in the files: take its final hidden state from Megatron
     else:
-        if fmt is MiMo:
-            h, ref_logits = verify_mod.mimo_backbone_hidden(written, config, tokens)
-        else:
-            h, ref_logits = verify_mod.nextn_backbone_hidden(out_dir, config, tokens, fmt.name)
+        h, ref_logits = verify_mod.BACKBONES[fmt.name](out_dir, written, config, tokens, fmt.name)
         result["max_diff_backbone"] = verify_mod.compare("backbone logits", logits[0], ref_logits, tol)
-    if fmt is MiMo:
-        drafts = verify_mod.mimo_draft_logits(written, config, h, tokens, num_mtp,
-                                              pre_norm=fmt.next_step_input(target) == "pre_norm")
-    else:  # the target's embedding and head where the draft does not carry them
-        sd = megatron_io.weights(model)
-        emb = sd["embedding.word_embeddings.weight"][:vocab]
-        head = sd["output_layer.weight"][:vocab] if "output_layer.weight" in sd else emb
-        drafts = verify_mod.nextn_draft_logits(written, config, h, tokens, num_mtp, emb, head,
-                                               sglang_nextn=target == "sglang" and mtp_only, fmt_name=fmt.name,
-                                               pre_norm=fmt.next_step_input(target) == "pre_norm")
-    for k, ref in enumerate(drafts, start=1):
-        got = logits[k][:, : ref.shape[1]]
-        result[f"max_diff_mtp{k}"] = verify_mod.compare(f"MTP step {k} logits", got, ref, tol)
+    # the target's embedding and head where the draft does not carry them
+    sd = megatron_io.weights(model)
+    emb = sd["embedding.word_embeddings.weight"][:vocab]
+    head = sd["output_layer.weight"][:vocab] if "output_layer.weight" in sd else emb
+    ref = verify_mod.REFERENCES[fmt.name](written, config, chain.num_layers, fmt.name, emb=emb, head=head,
+                                          sglang_nextn=issubclass(fmt, Glm4Moe) and chain.target == "sglang"
+                                          and mtp_only)
+    drafts = verify_mod.draft_chain(ref, h, tokens, chain.num_steps, chain.engine)
+    for k, ref_logits in enumerate(drafts, start=1):
+        got = logits[k][:, : ref_logits.shape[1]]
+        hint = (f"; the reference hands each draft step the next the {handoff_mod.describe(chain.engine)} state as "
+                f"{chain.target} does, the Megatron heads were trained with mtp.next_step_input={chain.trained}"
+                + (" (a hand-off mismatch)" if chain.engine != chain.trained else "")
+                + ("; step 1 matched" if k == 2 else f"; steps 1-{k - 1} matched" if k > 2 else ""))
+        result[f"max_diff_mtp{k}"] = verify_mod.compare(f"draft logits of MTP step {k} of {chain.num_steps}", got,
+                                                        ref_logits, tol, hint)
     return result

@@ -42,11 +42,9 @@ class MiMo:
     name = "mimo"
     architecture = "MiMoForCausalLM"
 
-    @staticmethod
-    def next_step_input(target: str) -> str:
-        """What the engines' MiMo draft hands its next step: the ``final_layernorm`` output."""
-        return "post_norm"
-
+    # What each engine's draft hands its next step (first: the default; see convert/handoff.py):
+    # both engines' MiMo drafts hand on the ``final_layernorm`` output.
+    engine_handoffs = {"vllm": ("post_norm",), "sglang": ("post_norm",)}
     model_type = "mimo"
     families = ("qwen2", "mimo", "llama")
     backbone_qkv_bias = True  # the engines' Qwen2 layers always have qkv biases (zeros if absent)
@@ -138,16 +136,16 @@ class MiMo:
         "        super().__init__(*args, **kwargs)\n")}
 
     @staticmethod
-    def serve(out: str, target: str, mtp_only: bool, target_model: str, num_mtp: int) -> str:
+    def serve(out: str, target: str, mtp_only: bool, target_model: str, num_mtp: int, num_steps: int = 3) -> str:
         if target == "vllm":
             draft = f', "model": "{out}"' if mtp_only else ""
             return (f"vllm serve {target_model} --trust-remote-code --speculative-config "
-                    f"'{{\"method\": \"mtp\", \"num_speculative_tokens\": 3{draft}, "
+                    f"'{{\"method\": \"mtp\", \"num_speculative_tokens\": {num_steps}{draft}, "
                     f"\"draft_sample_method\": \"probabilistic\"}}'")
         return (f"python -m sglang.launch_server --model-path {target_model} --trust-remote-code "
                 f"--speculative-algorithm NEXTN --speculative-draft-model-path {out} "
-                "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 "
-                "--speculative-use-rejection-sampling")
+                f"--speculative-num-steps {num_steps} --speculative-eagle-topk 1 "
+                f"--speculative-num-draft-tokens {num_steps + 1} --speculative-use-rejection-sampling")
 
 
 def glm_layer_shapes(cfg: dict, p: str, moe: bool) -> dict[str, tuple]:
@@ -219,12 +217,10 @@ class Glm4Moe:
     name = "glm4_moe"
     label = "a GLM-4.5 MoE"
 
-    @staticmethod
-    def next_step_input(target: str) -> str:
-        """vLLM's MTP layer returns its output before ``shared_head.norm`` and feeds that to the
-        next step; SGLang's NextN model returns (and feeds) the normed one."""
-        return "pre_norm" if target == "vllm" else "post_norm"
-
+    # SGLang's NextN model hands on the ``shared_head.norm`` output; so does vLLM's
+    # ``deepseek_mtp.py`` since PR #45895 (merged 2026-06-19); its releases before that handed
+    # on the layer output before the norm (``--vllm-handoff pre_norm``).
+    engine_handoffs = {"vllm": ("post_norm", "pre_norm"), "sglang": ("post_norm",)}
     architecture = "Glm4MoeForCausalLM"
     nextn_architecture = "Glm4MoeForCausalLMNextN"
     families = ("glm4_moe",)
@@ -303,8 +299,8 @@ class Glm4Moe:
         return cfg
 
     @staticmethod
-    def serve(out: str, target: str, mtp_only: bool, target_model: str, num_mtp: int) -> str:
-        return _serve_nextn(out, target, mtp_only, target_model)
+    def serve(out: str, target: str, mtp_only: bool, target_model: str, num_mtp: int, num_steps: int = 3) -> str:
+        return _serve_nextn(out, target, mtp_only, target_model, num_steps)
 
 
 class DeepSeek(Glm4Moe):
@@ -330,14 +326,14 @@ class DeepSeek(Glm4Moe):
         return cfg
 
 
-def _serve_nextn(out: str, target: str, mtp_only: bool, target_model: str) -> str:
+def _serve_nextn(out: str, target: str, mtp_only: bool, target_model: str, num_steps: int) -> str:
     if target == "vllm":
         draft = f', "model": "{out}"' if mtp_only else ""
         return (f"vllm serve {target_model} --speculative-config '{{\"method\": \"mtp\", "
-                f"\"num_speculative_tokens\": 3{draft}, \"draft_sample_method\": \"probabilistic\"}}'")
+                f"\"num_speculative_tokens\": {num_steps}{draft}, \"draft_sample_method\": \"probabilistic\"}}'")
     return (f"python -m sglang.launch_server --model-path {target_model} --speculative-algorithm NEXTN "
-            f"--speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 "
-            "--speculative-num-draft-tokens 4 --speculative-use-rejection-sampling")
+            f"--speculative-draft-model-path {out} --speculative-num-steps {num_steps} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {num_steps + 1} --speculative-use-rejection-sampling")
 
 
 FORMATS = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek": DeepSeek}

@@ -1,14 +1,21 @@
-"""``--verify``: reload the written files, check names and shapes, and recompute the draft
-logits with an independent pure-PyTorch MTP forward written from the format description.
+"""``--verify``: reload the written files, check names and shapes, and recompute K draft steps
+with an independent pure-PyTorch MTP forward written from the format description.
 
 The reference uses transformers' own decoder-layer, RMSNorm and rotary classes for the
-block and plain torch for the rest; it never touches Megatron modules. It follows
-Megatron's training semantics: MTP step k at position t combines the step k-1 hidden state
-at t (the backbone's, after its final norm, for k=1) with the embedding of token t+k.
-(vLLM and SGLang also zero the embedding at position 0; training does not, so neither does
-the comparison.)
+block and plain torch for the rest; it never touches Megatron modules. MTP step k at position
+t combines the step k-1 hidden state at t (the backbone's, after its final norm, for k=1) with
+the embedding of token t+k, through MTP layer ``(k-1) % num_layers`` (the engines'
+``spec_step_idx % num_mtp_layers``: one layer reused for every step, or one per step), and
+hands step k+1 what the target engine hands on (``handoff``: the layer's output after its
+final norm, ``post_norm``, or before it, ``pre_norm``). (vLLM and SGLang also zero the
+embedding at position 0; training does not, so neither does the comparison.)
 
-Legend: B batch, S sequence, H hidden, V vocabulary.
+A format plugs in with a reference class in ``REFERENCES`` (constructor
+``(tensors, cfg, num_layers, fmt_name, *, emb, head, sglang_nextn)``, methods ``step`` and
+``logits``, see :class:`MiMoReference`) and, for full exports, a backbone
+forward in ``BACKBONES``; :func:`draft_chain` runs the K steps for every format alike.
+
+Legend: B batch, S sequence, L positions a step predicts (S - k), H hidden, V vocabulary.
 """
 
 from __future__ import annotations
@@ -71,41 +78,72 @@ def mimo_backbone_hidden(tensors: dict, cfg: dict, tokens_BS: torch.Tensor) -> t
     return hidden, model.lm_head(hidden)
 
 
-@torch.no_grad()
-def mimo_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor,
-                      num_mtp: int, pre_norm: bool = False) -> list[torch.Tensor]:
-    """MiMo MTP chain: ``input_proj(cat(hidden_layernorm(h), token_layernorm(emb)))``, a Qwen2
-    decoder layer, ``final_layernorm``, ``lm_head``; step k's logits are ``[B, S-k, V]``. The
-    next step gets the ``final_layernorm`` output (``pre_norm``: the layer output before it)."""
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+class MiMoReference:
+    """MiMo MTP layer ``i``: ``input_proj(cat(hidden_layernorm(h), token_layernorm(emb)))``, a
+    Qwen2 decoder layer, ``final_layernorm``; logits through ``lm_head``."""
 
-    qcfg = qwen2_config(cfg)
-    eps = qcfg.rms_norm_eps
-    emb = tensors["model.embed_tokens.weight"].float()
-    head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).float()
-    rotary = Qwen2RotaryEmbedding(config=qcfg)
-    B, S = tokens_BS.shape
-    h = hidden_BSH.float()
-    out = []
-    for k in range(1, num_mtp + 1):
-        p = f"model.mtp_layers.{k - 1}."
-        L = S - k
-        e = F.embedding(tokens_BS[:, k:k + L], emb)
-        x = torch.cat([_rms(tensors[p + "hidden_layernorm.weight"], eps)(h[:, :L]),
-                       _rms(tensors[p + "token_layernorm.weight"], eps)(e)], dim=-1)
-        x = x @ tensors[p + "input_proj.weight"].float().T
-        layer = Qwen2DecoderLayer(qcfg, layer_idx=0).float().eval()
+    def __init__(self, tensors: dict, cfg: dict, num_layers: int, fmt_name: str = "mimo", *, emb=None, head=None,
+                 sglang_nextn: bool = False):
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+        self.tensors, self.num_layers, self.qcfg = tensors, num_layers, qwen2_config(cfg)
+        self.emb = tensors["model.embed_tokens.weight"].float()
+        self.head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"]).float()
+        self.rotary = Qwen2RotaryEmbedding(config=self.qcfg)
+        self.layers = [self._layer(i) for i in range(num_layers)]
+
+    def _layer(self, i: int):
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+        p = f"model.mtp_layers.{i}."
+        layer = Qwen2DecoderLayer(self.qcfg, layer_idx=0).float().eval()
         own = ("token_layernorm.", "hidden_layernorm.", "input_proj.", "final_layernorm.")
-        layer.load_state_dict({k2[len(p):]: v.float() for k2, v in tensors.items()
-                               if k2.startswith(p) and not k2[len(p):].startswith(own)}, strict=True)
-        pos = torch.arange(L).unsqueeze(0).expand(B, L)
-        cos_sin = rotary(x, pos)
-        y = layer(x, attention_mask=_causal_mask(B, L), position_ids=pos, position_embeddings=cos_sin)
-        y = y[0] if isinstance(y, tuple) else y
-        normed = _rms(tensors[p + "final_layernorm.weight"], eps)(y)
-        out.append(normed @ head.T)
-        h = y if pre_norm else normed
+        layer.load_state_dict({k[len(p):]: v.float() for k, v in self.tensors.items()
+                               if k.startswith(p) and not k[len(p):].startswith(own)}, strict=True)
+        return layer
+
+    def step(self, i: int, h_BLH: torch.Tensor, tokens_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer ``i`` on the previous hidden state and the next tokens: (its output before
+        ``final_layernorm``, after it)."""
+        t, p, eps = self.tensors, f"model.mtp_layers.{i}.", self.qcfg.rms_norm_eps
+        x = torch.cat([_rms(t[p + "hidden_layernorm.weight"], eps)(h_BLH),
+                       _rms(t[p + "token_layernorm.weight"], eps)(F.embedding(tokens_BL, self.emb))], dim=-1)
+        y = _decoder(self.layers[i], x @ t[p + "input_proj.weight"].float().T, self.rotary)
+        return y, _rms(t[p + "final_layernorm.weight"], eps)(y)
+
+    def logits(self, i: int, normed_BLH: torch.Tensor) -> torch.Tensor:
+        return normed_BLH @ self.head.T
+
+
+def _decoder(layer, x_BLH: torch.Tensor, rotary) -> torch.Tensor:
+    B, L = x_BLH.shape[:2]
+    pos = torch.arange(L).unsqueeze(0).expand(B, L)
+    y = layer(x_BLH, attention_mask=_causal_mask(B, L), position_ids=pos, position_embeddings=rotary(x_BLH, pos))
+    return y[0] if isinstance(y, tuple) else y
+
+
+@torch.no_grad()
+def draft_chain(ref, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor, num_steps: int,
+                handoff: str = "post_norm") -> list[torch.Tensor]:
+    """K draft steps of any format's reference; step k's logits are ``[B, S-k, V]``. Step k runs
+    MTP layer ``(k-1) % ref.num_layers`` and hands step k+1 its output after the final norm
+    (``post_norm``) or before it (``pre_norm``)."""
+    S = tokens_BS.shape[1]
+    h = hidden_BSH.to(torch.promote_types(hidden_BSH.dtype, torch.float32))  # float32 at least
+    out = []
+    for k in range(1, num_steps + 1):
+        L = S - k
+        i = (k - 1) % ref.num_layers
+        y, normed = ref.step(i, h[:, :L], tokens_BS[:, k:k + L])
+        out.append(ref.logits(i, normed))
+        h = y if handoff == "pre_norm" else normed
     return out
+
+
+def mimo_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor,
+                      num_steps: int, handoff: str = "post_norm", num_layers: int = 1) -> list[torch.Tensor]:
+    """The MiMo chain (:class:`MiMoReference` through :func:`draft_chain`)."""
+    return draft_chain(MiMoReference(tensors, cfg, num_layers), hidden_BSH, tokens_BS, num_steps, handoff)
 
 
 # NextN families (``formats.Glm4Moe`` and its subclasses): transformers' classes per format.
@@ -162,54 +200,64 @@ def _fused_experts(sd: dict, num_experts: int) -> dict:
     return sd
 
 
-@torch.no_grad()
-def nextn_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor, num_mtp: int,
-                       emb=None, head=None, sglang_nextn: bool = False, fmt_name: str = "glm4_moe",
-                       pre_norm: bool = False) -> list[torch.Tensor]:
-    """GLM-4.5 / DeepSeek-V3 NextN chain: ``eh_proj(cat(enorm(emb), hnorm(h)))``, the family's MoE
-    decoder layer (transformers' class: GQA for GLM-4.5, MLA for DeepSeek-V3), ``shared_head.norm``,
-    ``shared_head.head``. ``emb``/``head``: the target's, for a draft that does not carry them
-    (SGLang's NextN layout). The next step gets the ``shared_head.norm`` output (SGLang) or,
-    with ``pre_norm``, the layer output before it (vLLM)."""
-    gcfg = nextn_config(cfg, fmt_name)
-    DecoderLayer, RMSNorm = _nextn_class(fmt_name, "DecoderLayer"), _nextn_class(fmt_name, "RMSNorm")
-    eps, N = gcfg.rms_norm_eps, cfg["num_hidden_layers"]
+class NextNReference:
+    """GLM-4.5 / DeepSeek-V3 NextN layer ``i``: ``eh_proj(cat(enorm(emb), hnorm(h)))``, the
+    family's MoE decoder layer (transformers' class: GQA for GLM-4.5, MLA for DeepSeek-V3),
+    ``shared_head.norm``; logits through ``shared_head.head``. ``emb``/``head``: the target's,
+    for a draft that does not carry them (SGLang's NextN layout, ``model.layers.0``)."""
 
-    def norm(w):
-        n = RMSNorm(w.shape[0], eps=eps)
+    own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+
+    def __init__(self, tensors: dict, cfg: dict, num_layers: int, fmt_name: str = "glm4_moe", *, emb=None,
+                 head=None, sglang_nextn: bool = False):
+        self.tensors, self.num_layers, self.fmt_name = tensors, num_layers, fmt_name
+        self.gcfg = nextn_config(cfg, fmt_name)
+        N = cfg["num_hidden_layers"]
+        self.prefixes = ["model.layers.0." if sglang_nextn else f"model.layers.{N + i}." for i in range(num_layers)]
+        self.emb = [self.tensors.get(p + "embed_tokens.weight", emb).float() for p in self.prefixes]
+        self.head = [self.tensors.get(p + "shared_head.head.weight", head).float() for p in self.prefixes]
+        self.rotary = _nextn_class(fmt_name, "RotaryEmbedding")(config=self.gcfg)
+        self.layers = [self._layer(p, max(self.gcfg.first_k_dense_replace, N)) for p in self.prefixes]
+
+    def _layer(self, p: str, layer_idx: int):
+        layer = _nextn_class(self.fmt_name, "DecoderLayer")(self.gcfg, layer_idx=layer_idx).float().eval()
+        sd = {n[len(p):]: v.float() for n, v in self.tensors.items()
+              if n.startswith(p) and not n[len(p):].startswith(self.own)}
+        layer.load_state_dict(_fused_experts(sd, self.gcfg.n_routed_experts), strict=True)
+        return layer
+
+    def _norm(self, w: torch.Tensor):
+        n = _nextn_class(self.fmt_name, "RMSNorm")(w.shape[0], eps=self.gcfg.rms_norm_eps)
         n.weight.data.copy_(w.float())
         return n
 
-    rotary = _nextn_class(fmt_name, "RotaryEmbedding")(config=gcfg)
-    B, S = tokens_BS.shape
-    h = hidden_BSH.float()
-    out = []
-    own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
-    for k in range(1, num_mtp + 1):
-        p = "model.layers.0." if sglang_nextn else f"model.layers.{N + k - 1}."
-        E = tensors.get(p + "embed_tokens.weight", emb).float()
-        W = tensors.get(p + "shared_head.head.weight", head).float()
-        L = S - k
-        e = F.embedding(tokens_BS[:, k:k + L], E)
-        x = torch.cat([norm(tensors[p + "enorm.weight"])(e), norm(tensors[p + "hnorm.weight"])(h[:, :L])], dim=-1)
-        x = x @ tensors[p + "eh_proj.weight"].float().T
-        layer = DecoderLayer(gcfg, layer_idx=max(gcfg.first_k_dense_replace, N)).float().eval()
-        sd = {n[len(p):]: v.float() for n, v in tensors.items() if n.startswith(p) and not n[len(p):].startswith(own)}
-        layer.load_state_dict(_fused_experts(sd, gcfg.n_routed_experts), strict=True)
-        pos = torch.arange(L).unsqueeze(0).expand(B, L)
-        y = layer(x, attention_mask=_causal_mask(B, L), position_ids=pos, position_embeddings=rotary(x, pos))
-        y = y[0] if isinstance(y, tuple) else y
-        normed = norm(tensors[p + "shared_head.norm.weight"])(y)
-        out.append(normed @ W.T)
-        h = y if pre_norm else normed
-    return out
+    def step(self, i: int, h_BLH: torch.Tensor, tokens_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """NextN layer ``i``: (its output before ``shared_head.norm``, after it)."""
+        t, p = self.tensors, self.prefixes[i]
+        e_BLH = F.embedding(tokens_BL, self.emb[i])
+        x = torch.cat([self._norm(t[p + "enorm.weight"])(e_BLH), self._norm(t[p + "hnorm.weight"])(h_BLH)], dim=-1)
+        y = _decoder(self.layers[i], x @ t[p + "eh_proj.weight"].float().T, self.rotary)
+        return y, self._norm(t[p + "shared_head.norm.weight"])(y)
+
+    def logits(self, i: int, normed_BLH: torch.Tensor) -> torch.Tensor:
+        return normed_BLH @ self.head[i].T
 
 
-def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+# Per format: the reference draft (see the module docstring) and the backbone forward on the
+# written files, ``(out_dir, tensors, cfg, tokens_BS, fmt_name) -> (final hidden, logits)``.
+REFERENCES = {"mimo": MiMoReference, "glm4_moe": NextNReference, "deepseek": NextNReference}
+BACKBONES = {
+    "mimo": lambda out_dir, tensors, cfg, tokens, fmt_name: mimo_backbone_hidden(tensors, cfg, tokens),
+    "glm4_moe": lambda out_dir, tensors, cfg, tokens, fmt_name: nextn_backbone_hidden(out_dir, cfg, tokens, fmt_name),
+    "deepseek": lambda out_dir, tensors, cfg, tokens, fmt_name: nextn_backbone_hidden(out_dir, cfg, tokens, fmt_name),
+}
+
+
+def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float, hint: str = "") -> float:
     """Max abs difference; raises when above ``tol`` times the reference's scale (>= 1)."""
     diff = (got.float() - ref.float()).abs().max().item()
     scale = max(1.0, ref.abs().max().item())
     if not diff <= tol * scale:
-        raise ConvertError(f"verification failed: {name} differs from the independent forward by {diff:.3e} "
-                           f"(tolerance {tol * scale:.1e})")
+        raise ConvertError(f"verification failed: {name}: max |difference| from the independent forward {diff:.3e} "
+                           f"(tolerance {tol * scale:.1e}){hint}")
     return diff

@@ -7,7 +7,9 @@ takes several. Tests that need many invocations therefore run them here, one aft
 each exactly as the tool's ``__main__`` does (``bebop_megatron.cli.run_cli(main(argv))``),
 with its stdout, stderr and exit status recorded separately.
 
-``calls.json``: ``[{"tool": "convert_to_hf", "argv": [...]}, ...]``;
+``calls.json``: ``[{"tool": "convert_to_hf", "argv": [...]}, ...]``; the pseudo-tool
+``record_mtp`` (argv ``SRC DST KEY=VALUE...``) copies a model checkpoint and sets ``mtp``
+fields of its ``bebop_model.yaml`` (e.g. ``next_step_input=pre_norm``: heads trained that way);
 ``results.json``: ``[{"returncode": int, "stdout": str, "stderr": str}, ...]`` in the same order.
 From a test: :func:`run_batch`.
 """
@@ -51,6 +53,21 @@ def _call(tool, argv: list[str]) -> dict:
     return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
 
 
+def record_mtp(argv: list[str]) -> dict:
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    src, dst, *fields = [a for a in argv if a != "--no-progress"]
+    shutil.copytree(src, dst)
+    conf = OmegaConf.load(Path(dst) / "bebop_model.yaml")
+    for field in fields:
+        key, value = field.split("=", 1)
+        OmegaConf.update(conf, f"mtp.{key}", value)
+    OmegaConf.save(conf, Path(dst) / "bebop_model.yaml")
+    return {"returncode": 0, "stdout": "", "stderr": ""}
+
+
 def run_batch(calls: list[dict], workdir: Path, timeout: int = 600) -> list[subprocess.CompletedProcess]:
     """Run ``calls`` in one subprocess; one ``CompletedProcess``-like result per call."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -72,6 +89,9 @@ def main() -> None:
     tools: dict = {}
     results = []
     for call in calls:
+        if call["tool"] == "record_mtp":
+            results.append(record_mtp(call["argv"]))
+            continue
         if call["tool"] not in tools:
             tools[call["tool"]] = _tool(call["tool"])
         results.append(_call(tools[call["tool"]], call["argv"]))
