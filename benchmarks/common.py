@@ -71,19 +71,28 @@ class PeakRSS:
         return False
 
 
+def free_port() -> int:
+    """A free local port, should a worker initialise torch.distributed."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class Worker:
     """One variant in its own process (``cmd``), answering on request; stderr kept in a temp file."""
 
-    def __init__(self, name: str, cmd: list[str]):
+    def __init__(self, name: str, cmd: list[str], env: dict | None = None):
+        """``env``: extra environment (the ranks of one multi-process variant share a MASTER_PORT)."""
         self.name, self.err = name, tempfile.TemporaryFile("w+")
-        with socket.socket() as sock:  # a free port, should the worker initialise torch.distributed
-            sock.bind(("127.0.0.1", 0))
-            env = dict(os.environ, MASTER_PORT=str(sock.getsockname()[1]))
+        env = {**os.environ, "MASTER_PORT": str(free_port()), **(env or {})}
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
 
-    def ask(self, command: str) -> dict:
+    def send(self, command: str) -> None:
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
+
+    def ask(self, command: str) -> dict:
+        self.send(command)
         return self.read()
 
     def read(self) -> dict:
