@@ -107,17 +107,30 @@ class Worker:
         self.proc.wait()
 
 
-def append_results(benchmark: str, device: str, params: dict, metrics: dict, torch_version: str) -> None:
-    """Append one row per metric to ``results.csv`` (header written when the file is new)."""
+def device_label(device: str) -> str:
+    """The accelerator's name for the ``machine`` column (``cpu`` without one)."""
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def append_results(benchmark: str, device: str, params: dict, metrics: dict, torch_version: str,
+                   machine_extra: str = "") -> None:
+    """Append one row per metric to ``results.csv`` (header written when the file is new), or to
+    ``$BENCH_RESULTS_CSV`` when set (the GPU script writes there, then its rows are copied over).
+    ``machine_extra`` (e.g. the GPU's name) is added to the ``machine`` column."""
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    machine = f"{platform.node()} ({os.cpu_count()} cpus)"
+    machine = f"{platform.node()} ({os.cpu_count()} cpus{'; ' + machine_extra if machine_extra else ''})"
     param_str = " ".join(f"{k}={v}" for k, v in params.items())
-    new = not CSV_PATH.exists() or CSV_PATH.stat().st_size == 0
-    with open(CSV_PATH, "a", newline="") as f:
+    path = Path(os.environ.get("BENCH_RESULTS_CSV") or CSV_PATH)
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="") as f:
         w = csv.writer(f)
         if new:
             w.writerow(COLUMNS)
         for metric, value in metrics.items():
             w.writerow([stamp, machine, torch_version, version("megatron-core"), device, benchmark, param_str, metric,
                         value if isinstance(value, str) else f"{value:.6g}"])
-    print(f"appended {len(metrics)} rows to {CSV_PATH}")
+    print(f"appended {len(metrics)} rows to {path}")
