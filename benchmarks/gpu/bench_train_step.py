@@ -70,7 +70,7 @@ def main() -> None:
     mfu = statistics.median(mfus) if mfus else float("nan")
     peak_gib = max(m.extra.get("peak_mem_gib") or 0.0 for m in history)
     label = device_label(args.device)
-    print(f"{label}: {total / 1e9:.3f}B parameters ({trainable / 1e6:.1f}M trainable MTP), {args.precision}, "
+    print(f"{label}: {total / 1e6:,.1f}M parameters ({trainable / 1e6:.2f}M trainable MTP), {args.precision}, "
           f"seq {args.seq} x global batch {args.global_batch} (micro-batch {args.micro_batch}), loss {args.loss}, "
           f"built in {built:.0f} s")
     print(f"median of {len(history)} steps after {args.warmup} warm-up: {tok_s:,.0f} tokens/s, MFU {mfu:.1%}, "

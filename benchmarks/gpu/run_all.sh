@@ -14,8 +14,8 @@
 # Rows go to DIR/results_gpu.csv (the GPU's name in the machine column); append them to
 # benchmarks/results.csv with: tail -n +2 DIR/results_gpu.csv >> benchmarks/results.csv
 #
-# Python packages: the machine's python3 must have torch with CUDA and triton; megatron-core,
-# omegaconf and antlr4-python3-runtime travel as wheels in .whl/ (benchmarks/README.md, "GPU
+# Python packages: the machine's python3 must have torch with CUDA and triton; megatron-core and
+# omegaconf travel as wheels in .whl/ (benchmarks/README.md, "GPU
 # script"): when .whl/ exists they are installed into /tmp/site first. The dry run installs nothing.
 # Exit status: the number of parts that failed (0 = all passed).
 set -uo pipefail
@@ -27,7 +27,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --out) [ $# -ge 2 ] || { echo "error: --out needs a directory" >&2; exit 2; }; outdir=$2; shift ;;
-    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument '$1' (use --dry-run, --out DIR)" >&2; exit 2 ;;
   esac
   shift
