@@ -23,6 +23,18 @@ highest RSS sampled during a step (every 2 ms) minus the RSS before it (inputs a
 previous gradient freed). The two variants' losses and gradients are compared.
 Targets (PASS/MISS): peak extra memory fused <= 1/8 naive; time fused <= 1.0 x naive.
 Rows are appended to ``benchmarks/results.csv``.
+
+``--impls torch,triton``: instead, the fused loss's kernel implementations side by side in
+one process (``impl=``; triton needs CUDA), on ``--device`` in ``--dtype``, against the
+projection GEMMs every implementation must run (backbone logits ``[T, H] x [H, V]``, draft
+logits ``[K T, H] x [H, V]`` and the gradient ``[K T, V] x [V, H]``, plain ``torch.matmul``
+on the full tensors). Per implementation: median time of forward + backward, peak extra
+memory (CUDA: ``max_memory_allocated`` over the step minus the allocation before it; CPU:
+sampled RSS) and time / GEMM time. The GPU script runs it at K=3, T=8192, H=4096,
+V=151,936, bf16 (``benchmarks/gpu/run_all.sh``)::
+
+    python benchmarks/benchmark_tv_loss.py --impls torch,triton --device cuda --dtype bf16 \
+        --tokens 8192 --hidden 4096
 """
 
 from __future__ import annotations
@@ -106,8 +118,15 @@ def main() -> None:
     p.add_argument("--chunk-tokens", type=int, default=512, help="loss.chunk_tokens of the fused variant")
     p.add_argument("--iters", type=int, default=3, help="timed steps per variant (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--impls", default="", help="e.g. torch,triton: compare the fused loss's implementations")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--impls only")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="--impls only")
     p.add_argument("--worker", choices=("fused", "naive"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.impls:
+        from loss_impls import compare_impls
+
+        return compare_impls(args)
     if args.worker:
         return worker(args)
 

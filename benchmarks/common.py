@@ -71,19 +71,28 @@ class PeakRSS:
         return False
 
 
+def free_port() -> int:
+    """A free local port, should a worker initialise torch.distributed."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class Worker:
     """One variant in its own process (``cmd``), answering on request; stderr kept in a temp file."""
 
-    def __init__(self, name: str, cmd: list[str]):
+    def __init__(self, name: str, cmd: list[str], env: dict | None = None):
+        """``env``: extra environment (the ranks of one multi-process variant share a MASTER_PORT)."""
         self.name, self.err = name, tempfile.TemporaryFile("w+")
-        with socket.socket() as sock:  # a free port, should the worker initialise torch.distributed
-            sock.bind(("127.0.0.1", 0))
-            env = dict(os.environ, MASTER_PORT=str(sock.getsockname()[1]))
+        env = {**os.environ, "MASTER_PORT": str(free_port()), **(env or {})}
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True)
 
-    def ask(self, command: str) -> dict:
+    def send(self, command: str) -> None:
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
+
+    def ask(self, command: str) -> dict:
+        self.send(command)
         return self.read()
 
     def read(self) -> dict:
@@ -98,17 +107,30 @@ class Worker:
         self.proc.wait()
 
 
-def append_results(benchmark: str, device: str, params: dict, metrics: dict, torch_version: str) -> None:
-    """Append one row per metric to ``results.csv`` (header written when the file is new)."""
+def device_label(device: str) -> str:
+    """The accelerator's name for the ``machine`` column (``cpu`` without one)."""
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name()
+
+
+def append_results(benchmark: str, device: str, params: dict, metrics: dict, torch_version: str,
+                   machine_extra: str = "") -> None:
+    """Append one row per metric to ``results.csv`` (header written when the file is new), or to
+    ``$BENCH_RESULTS_CSV`` when set (the GPU script writes there, then its rows are copied over).
+    ``machine_extra`` (e.g. the GPU's name) is added to the ``machine`` column."""
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    machine = f"{platform.node()} ({os.cpu_count()} cpus)"
+    machine = f"{platform.node()} ({os.cpu_count()} cpus{'; ' + machine_extra if machine_extra else ''})"
     param_str = " ".join(f"{k}={v}" for k, v in params.items())
-    new = not CSV_PATH.exists() or CSV_PATH.stat().st_size == 0
-    with open(CSV_PATH, "a", newline="") as f:
+    path = Path(os.environ.get("BENCH_RESULTS_CSV") or CSV_PATH)
+    new = not path.exists() or path.stat().st_size == 0
+    with open(path, "a", newline="") as f:
         w = csv.writer(f)
         if new:
             w.writerow(COLUMNS)
         for metric, value in metrics.items():
             w.writerow([stamp, machine, torch_version, version("megatron-core"), device, benchmark, param_str, metric,
                         value if isinstance(value, str) else f"{value:.6g}"])
-    print(f"appended {len(metrics)} rows to {CSV_PATH}")
+    print(f"appended {len(metrics)} rows to {path}")

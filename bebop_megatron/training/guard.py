@@ -2,8 +2,9 @@
 
 Megatron's bf16/fp32 optimizers apply whatever gradient they get (only fp16's loss scaler
 checks for inf/nan), so one bad batch would turn every MTP weight into NaN. The trainer
-computes the global gradient norm before the update, agrees with every rank on one flag, and
-skips the update when the loss or the norm is not finite. ``train.max_skipped_steps``
+computes the global gradient norm before the update (once per step: Megatron's clipping reuses
+it, :mod:`bebop_megatron.platform.grad_norms`), agrees with every rank on one flag, and skips
+the update when the loss or the norm is not finite. ``train.max_skipped_steps``
 consecutive skips mean the run itself diverged: it stops with :class:`NumericsError`.
 """
 

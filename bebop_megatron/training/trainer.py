@@ -32,6 +32,7 @@ from bebop_megatron.model.builder import use_transformer_engine
 from bebop_megatron.model.mtp_init import init_mtp_layers
 from bebop_megatron.model.mtp_init import resolve as resolve_mtp_init
 from bebop_megatron.platform import init_distributed, resolve_device
+from bebop_megatron.platform.grad_norms import compute_grad_norms, step_with_norms
 from bebop_megatron.training import checkpoint as ckpt
 from bebop_megatron.training.flops import mfu, peak_tflops_per_device, step_flops
 from bebop_megatron.training.guard import NumericsGuard, agree_on_flags, local_loss_is_finite
@@ -261,27 +262,28 @@ class Trainer:
     def optimizer_step(self, outputs: list = ()) -> torch.Tensor:
         """Clip, update and advance the LR schedule; returns the global grad norm.
 
-        Numerics guard (:mod:`~bebop_megatron.training.guard`): the global grad norm is
-        computed first, and if it or a loss in ``outputs`` is not finite on any rank the
-        update is skipped (``self.last_step_skipped``); the schedule advances either way.
-        The same all-reduce agrees on a pending preemption signal (``self.stop_requested``).
-        Backbone-only stages own no trainable parameter: they skip the optimizer (and its
-        grad-norm reduction) entirely and only advance the schedule.
+        Numerics guard (:mod:`~bebop_megatron.training.guard`): the global grad norm (all
+        trainable gradients, Megatron's separate grad-norm groups included) is computed first,
+        and if it or a loss in ``outputs`` is not finite on any rank the update is skipped
+        (``self.last_step_skipped``); the schedule advances either way. Megatron's step then
+        clips with that same norm instead of reducing the gradients a second time
+        (:mod:`bebop_megatron.platform.grad_norms`). The same all-reduce agrees on a pending
+        preemption signal (``self.stop_requested``). Backbone-only stages own no trainable
+        parameter: they skip the optimizer (and its grad-norm reduction) entirely and only
+        advance the schedule.
         """
-        norm = None
+        norms = None
         bad = False
         if self.has_mtp:
-            self.optimizer.prepare_grads()
-            norm = float(self.optimizer.get_grad_norm())
-            bad = not (math.isfinite(norm) and local_loss_is_finite(outputs))
+            norms = compute_grad_norms(self.optimizer)
+            bad = norms.found_inf or not (math.isfinite(norms.total) and local_loss_is_finite(outputs))
         bad, stop = agree_on_flags(bad, self.preemption.received is not None, device=self._comm_device)
         self.stop_requested |= stop
         self.last_step_skipped = bad
         if self.has_mtp and not bad:
-            _, clipped_norm, _ = self.optimizer.step()  # None when clip_grad=0
-            norm = clipped_norm if clipped_norm is not None else norm
+            step_with_norms(self.optimizer, norms)
         self.scheduler.step(increment=1)
-        return torch.tensor(float(norm) if norm is not None else 0.0)
+        return torch.tensor(norms.total if norms is not None else 0.0)
 
     def train_step(self, micro_batches) -> StepMetrics:
         outputs = self.forward_backward(micro_batches)

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Every GPU check of this repository in one run on a machine with one NVIDIA GPU (H200 class),
+# no internet, no Transformer Engine; under 8 minutes (each part has its own time limit).
+#
+#   benchmarks/gpu/run_all.sh [--out DIR]     # on the GPU machine, from anywhere
+#   benchmarks/gpu/run_all.sh --dry-run       # CPU only, tiny sizes: checks that every part still runs
+#
+# Parts (logs and a CSV land in DIR, default $OUT or benchmarks/gpu/out):
+#   1. loss   benchmarks/benchmark_tv_loss.py --impls torch,triton: the fused e2e TV loss, torch vs
+#             Triton kernels, K=3 T=8192 H=4096 V=151936 bf16: time, peak memory, time / projection GEMMs
+#   2. step   benchmarks/gpu/bench_train_step.py: frozen-backbone steps of a 1.07B random dense model,
+#             bf16, local layer spec: tokens/s, MFU, peak memory
+#   3. tests  pytest -m gpu tests/test_kernel_triton.py (the Triton kernels on CUDA, production sizes)
+# Rows go to DIR/results_gpu.csv (the GPU's name in the machine column); append them to
+# benchmarks/results.csv with: tail -n +2 DIR/results_gpu.csv >> benchmarks/results.csv
+#
+# Python packages: the machine's python3 must have torch with CUDA and triton; megatron-core and
+# omegaconf travel as wheels in .whl/ (benchmarks/README.md, "GPU
+# script"): when .whl/ exists they are installed into /tmp/site first. The dry run installs nothing.
+# Exit status: the number of parts that failed (0 = all passed).
+set -uo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+dry=0
+outdir=${OUT:-$repo/benchmarks/gpu/out}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --out) [ $# -ge 2 ] || { echo "error: --out needs a directory" >&2; exit 2; }; outdir=$2; shift ;;
+    -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: unknown argument '$1' (use --dry-run, --out DIR)" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$outdir" || exit 2
+outdir=$(cd "$outdir" && pwd)
+cd "$repo" || exit 2
+py=${PYTHON:-python3}
+
+if [ $dry = 0 ] && [ -d .whl ]; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "error: installing the wheels in .whl/ failed" >&2; exit 2; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 BENCH_RESULTS_CSV=$outdir/results_gpu.csv
+
+if [ $dry = 0 ]; then
+  "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+    || { echo "error: no CUDA GPU visible to $py (use --dry-run for the CPU check)" >&2; exit 2; }
+  "$py" -c "import megatron.core, omegaconf" \
+    || { echo "error: megatron-core / omegaconf missing: carry them as wheels in .whl/ (benchmarks/README.md)" >&2; exit 2; }
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$outdir/gpu.txt"
+  loss=(--impls torch,triton --device cuda --dtype bf16 --steps 3 --tokens 8192 --hidden 4096 --vocab 151936
+        --iters 3 --warmup 1)
+  step=(--device cuda --precision bf16)
+  tests=(-m gpu tests/test_kernel_triton.py)
+  limits=(150 180 150)
+else
+  loss=(--impls torch --device cpu --dtype bf16 --steps 3 --tokens 48 --hidden 32 --vocab 500 --chunk-tokens 32
+        --iters 1 --warmup 0)
+  step=(--device cpu --precision bf16 --layers 2 --hidden 64 --ffn 128 --heads 4 --groups 2 --vocab 256 --seq 32
+        --global-batch 4 --steps 1 --warmup 1)
+  tests=(--collect-only -m gpu tests/test_kernel_triton.py)
+  limits=(120 120 120)
+fi
+
+failed=0
+part() {  # name, time limit in seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$outdir/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc after $((SECONDS - start)) s (limit $limit s)" | tee -a "$outdir/summary.txt"
+  [ "$rc" = 0 ] || failed=$((failed + 1))
+}
+
+: > "$outdir/summary.txt"
+part loss "${limits[0]}" "$py" benchmarks/benchmark_tv_loss.py "${loss[@]}"
+part step "${limits[1]}" "$py" benchmarks/gpu/bench_train_step.py "${step[@]}"
+part tests "${limits[2]}" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
+echo "=== $failed part(s) failed; results: $outdir/results_gpu.csv" | tee -a "$outdir/summary.txt"
+exit $failed

@@ -1,0 +1,38 @@
+"""``benchmarks/gpu/run_all.sh --dry-run``: the GPU script's parts still run (CPU, tiny sizes).
+
+The real run needs one NVIDIA GPU; this keeps the script from rotting where there is none:
+every part runs (the loss benchmark with the torch kernel, the training-step benchmark, the
+collection of the GPU-marked tests), exits 0 and writes its CSV rows. The loss benchmark's
+result is checked against the float64 formula of ``benchmarks/benchmark_tv_loss.py``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+
+from tests.helpers.launch import REPO
+
+
+def test_run_all_dry_run(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    env.pop("BENCH_RESULTS_CSV", None)
+    proc = subprocess.run(["bash", str(REPO / "benchmarks/gpu/run_all.sh"), "--dry-run", "--out", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    for part in ("loss", "step", "tests"):
+        assert f"=== {part}: exit 0" in summary, summary
+    assert "23/" in (tmp_path / "tests.log").read_text()  # the GPU-marked Triton tests were collected
+    rows = list(csv.DictReader(open(tmp_path / "results_gpu.csv")))
+    metrics = {(r["benchmark"], r["metric"]): float(r["value"]) for r in rows if r["metric"] != "note"}
+    assert metrics[("benchmark_tv_loss_impls", "torch_loss_abs_diff_float64")] < 1e-2  # bf16 inputs
+    assert metrics[("benchmark_tv_loss_impls", "torch_ms")] > 0 < metrics[("benchmark_tv_loss_impls", "gemm_ms")]
+    assert metrics[("bench_train_step", "tokens_per_s")] > 0
+    assert metrics[("bench_train_step", "peak_mem_gib")] > 0
+    assert math.isnan(metrics[("bench_train_step", "mfu")])  # no peak FLOP/s known for a CPU
+    assert all(r["machine"].endswith("; cpu)") for r in rows)
