@@ -1,12 +1,12 @@
 """Frozen-backbone training steps of a ~1B random dense model: tokens/s, MFU, peak memory.
 
-    python benchmarks/gpu/bench_train_step.py                         # one GPU, bf16, ~1.07B parameters
+    python benchmarks/gpu/bench_train_step.py                         # one GPU, bf16, 1.43B parameters
     python benchmarks/gpu/bench_train_step.py --device cpu --precision fp32 --layers 2 --hidden 64 \\
         --ffn 128 --heads 4 --groups 2 --vocab 256 --seq 32 --steps 3 --warmup 1    # the dry run's size
 
 Default model (random weights, local layer spec, no Transformer Engine): 16 layers, hidden
-2048, FFN 5632 (SwiGLU), 16 heads, 8 query groups, vocabulary 151,936 (tied embedding):
-1.07B parameters; one MTP layer applied K=3 times, e2e TV loss; sequence 4096, micro-batch
+2048, FFN 5632 (SwiGLU), 16 heads, 8 query groups, vocabulary 151,936 (untied output
+layer): 1.43B parameters, 55.6M of them the trainable MTP layer; one MTP layer applied K=3 times, e2e TV loss; sequence 4096, micro-batch
 1, global batch 8 (8 micro-batches per step, synthetic data), one rank. ``Trainer.train()``
 runs ``--warmup + --steps`` steps and its own accounting gives the numbers (model FLOPs from
 ``training/flops.py``, MFU against the GPU's dense bf16 peak, ``torch.cuda.max_memory_allocated``);

@@ -12,7 +12,7 @@ nan must sit at the same places with the same values). For TV, the gradient comp
 leave out the columns where q and p agree within 1e-5 (relative), where rounding may flip
 1[q <= p] between two float32 implementations, and S may differ by the q mass there.
 Special cases: draft == target (TV and KL exactly 0, S = 1 as ties count as "<=", gradient
-~0), disjoint supports (TV = 1, KL = inf), argmax ties within a tile, across tiles, splits
+~0; the KL gradients exactly 0 in the interpreter), disjoint supports (TV = 1, KL = inf), argmax ties within a tile, across tiles, splits
 and (``--tp``) ranks, non-contiguous inputs, bf16 / mixed / float64. ``--large`` adds
 production-size cases (512 x 151936 bf16, default tiles and splits) and their timings.
 
@@ -182,9 +182,12 @@ def single_process_cases(kt, kr, device, large: bool) -> dict:
         def check(got, _want):
             grad = got.grad_RV.abs().max().item()  # TV: q_j (S - 1) with S = sum q = 1 up to rounding
             out = {"value_exactly_0": exact_zero(got.value_R)}
+            out["grad_about_0"] = grad
             if kind == "tv":  # ties count as "<=": S = sum q 1[q <= p] = 1 (0 if they did not)
-                out.update(grad_about_0=grad, S_is_1=(got.saved_CR[4] - 1.0).abs().max().item())
-            else:
+                out["S_is_1"] = (got.saved_CR[4] - 1.0).abs().max().item()
+            elif device.type != "cuda":
+                # q - p (kl) and log q - log p (reverse_kl) are exactly 0 in the interpreter; compiled
+                # for CUDA they are within rounding (measured on an H200: see benchmarks/README.md).
                 out["grad_exactly_0"] = exact_zero(grad)
             return out
         return check
