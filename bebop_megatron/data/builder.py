@@ -59,6 +59,7 @@ def build_train_dataset(
             vocab_size=cfg.model.vocab_size,
             branching=cfg.data.markov_branching,
             seed=cfg.data.seed,
+            min_branching=cfg.data.markov_min_branching,
         )
     specs = parse_sources(cfg.data.train_files, "data.train_files")
     return _build_packed(cfg, specs, tokenizer, shuffle=True, name="train data", log=log, progress=progress)
