@@ -16,8 +16,9 @@ the RS-vs-target-only boundary d_TV < 1 - p(argmax q) (Fig. 13).
 Speed-up (:mod:`bebop_megatron.metrics.speedup`): per temperature and gamma,
 (1 + E[L](gamma)) / (1 + gamma * c_draft / c_target + overhead), and the recommended gamma
 (the best one; 0 when plain decoding is faster). The costs are measured on this machine with
-the checkpoint's model (median of ``--cost-repeats`` timed forwards after warm-up, one
-sequence of ``--cost-context`` tokens, full prefix recomputed: no KV cache), or given for your
+the checkpoint's model (medians of ``--cost-repeats`` timed forwards after warm-up, one
+sequence of ``--cost-context`` tokens, full prefix recomputed: no KV cache; on CPU one
+thread's CPU time, so that other load on a shared machine does not count), or given for your
 GPU: ``--cost-target-ms`` and ``--cost-draft-ms`` (one target verification forward, one MTP
 step) with ``--cost-overhead-ms``, or ``--cost-ratio`` (c_draft / c_target) alone. Gamma
 stops at the checkpoint's ``mtp.num_steps`` measured draft positions (no extrapolation).

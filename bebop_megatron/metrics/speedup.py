@@ -19,8 +19,9 @@ per target forward. So, in units of one target forward::
 
 E[L] is only known for the measured draft positions (the chain of ``mtp.num_steps`` steps):
 the table stops there, with no extrapolation beyond it. :func:`measure_costs` times the
-checkpoint's own model (median of timed forwards after warm-up, one sequence, the full
-prefix recomputed: no KV cache); users give their GPU's numbers instead (:class:`Costs`).
+checkpoint's own model (medians of timed forwards after warm-up, one sequence, the full
+prefix recomputed: no KV cache; one thread's CPU time on CPU); users give their GPU's numbers instead
+(:class:`Costs`).
 """
 
 from __future__ import annotations
@@ -105,48 +106,56 @@ def speedup_table(per_temperature: dict, costs: Costs, num_positions: int) -> di
 
 def measure_costs(model, *, context: int, gamma: int, repeats: int = 10, warmup: int = 3, device="cpu",
                   vocab_size: int | None = None, barrier=None) -> Costs:
-    """Time the checkpoint's model on this machine: medians of ``repeats`` forwards after ``warmup``.
+    """Time the checkpoint's model on this machine: medians over ``repeats`` after ``warmup``.
 
     One sequence of ``context`` tokens, the full prefix recomputed (no KV cache). Target forward:
     the backbone over the prefix plus the logits of its last gamma + 1 positions (a verification).
-    Draft step: (full model with its K MTP steps, each with the logits of its last position,
-    minus the target forward) / K. ``barrier``: called before each timed forward (TP ranks)."""
+    Draft step: (the full model with its K MTP steps, each with the logits of its last position,
+    minus the target forward) / K. Each repeat times the two back to back, so that both see the
+    same machine; the draft step is the median of the per-repeat differences. On CPU the forwards
+    run on one thread and the clock is that thread's CPU time (other load on a shared machine
+    does not count, nor do idle threads spinning); on CUDA the wall time after a synchronize.
+    ``barrier``: called before each timed forward (tensor-parallel ranks)."""
     import torch
 
     K = model.config.mtp_num_layers
     tokens = torch.randint(0, vocab_size or 2, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
     position_ids = torch.arange(context, device=device).unsqueeze(0)
+    on_cpu = str(device) == "cpu"
+    clock = time.thread_time if on_cpu else time.perf_counter
+    threads = torch.get_num_threads()
 
-    def forward(with_mtp: bool):
+    def timed(with_mtp: bool) -> float:
+        if barrier is not None:
+            barrier()
         model.mtp_process = with_mtp
+        start = clock()
         hidden = model(tokens, position_ids, None)
         chunks = torch.chunk(hidden, 1 + K, dim=0) if with_mtp else (hidden,)
         model.output_layer(chunks[0][-(gamma + 1):], weight=model.output_weight())
         for chunk in chunks[1:]:
             model.output_layer(chunk[-1:], weight=model.output_weight())
-        if device != "cpu":
+        if not on_cpu:
             torch.cuda.synchronize()
-
-    def timed(with_mtp: bool) -> float:
-        times = []
-        for i in range(warmup + repeats):
-            if barrier is not None:
-                barrier()
-            start = time.perf_counter()
-            forward(with_mtp)
-            if i >= warmup:
-                times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
+        return (clock() - start) * 1e3
 
     had_mtp = model.mtp_process
+    targets, drafts = [], []
     try:
+        if on_cpu:
+            torch.set_num_threads(1)
         with torch.no_grad():
-            target_ms = timed(False)
-            full_ms = timed(True)
+            for i in range(warmup + repeats):
+                target_ms, full_ms = timed(False), timed(True)
+                if i >= warmup:
+                    targets.append(target_ms)
+                    drafts.append((full_ms - target_ms) / K)
     finally:
         model.mtp_process = had_mtp
-    draft_ms = max(full_ms - target_ms, 0.0) / K
-    method = (f"measured here: median of {repeats} forwards after {warmup} warm-up, one sequence of {context} tokens, "
-              f"full prefix recomputed (no KV cache); target = backbone + logits of {gamma + 1} positions, "
-              f"draft step = (model with {K} MTP steps - target) / {K}")
-    return Costs.from_times(target_ms, draft_ms, 0.0, source="measured", method=method)
+        torch.set_num_threads(threads)
+    method = (f"measured here: medians of {repeats} repeats after {warmup} warm-up, "
+              f"{'CPU time of one thread' if on_cpu else 'wall time'}, one sequence of {context} tokens, full prefix "
+              f"recomputed (no KV cache); target = backbone + logits of {gamma + 1} positions, draft step = "
+              f"(model with {K} MTP steps - target) / {K}")
+    return Costs.from_times(statistics.median(targets), max(statistics.median(drafts), 0.0), 0.0, source="measured",
+                            method=method)
