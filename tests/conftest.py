@@ -19,7 +19,7 @@ def synthetic_cache(tmp_path_factory):
     os.environ["BEBOP_MEGATRON_CACHE"] = str(cache)
     try:
         cfg = tiny_config()
-        path = synthetic_backbone.cache_path(cfg)
+        path = synthetic_backbone.resolve(cfg)
         synthetic_backbone.run_fit(cfg, path, log=lambda line: None)
     finally:
         if saved is None:

@@ -63,9 +63,10 @@ def test_fit_is_deterministic_and_reaches_the_entropy_rate(synthetic_cache, tmp_
     assert first["final_loss"] < first["entropy_rate"] + 0.5, (first["final_loss"], first["entropy_rate"])
     monkeypatch.setenv("BEBOP_MEGATRON_CACHE", str(tmp_path))
     cfg = tiny_config()
-    again = synthetic_backbone.run_fit(cfg, synthetic_backbone.cache_path(cfg), log=lambda line: None)
+    other = synthetic_backbone.resolve(cfg)
+    assert other == os.path.join(str(tmp_path), "synthetic_backbone", os.path.basename(path))
+    again = synthetic_backbone.run_fit(cfg, other, log=lambda line: None)
     assert again["losses"] == first["losses"]
-    other = synthetic_backbone.cache_path(cfg)
     for name in sorted(os.listdir(path)):
         if name.endswith(".distcp"):
             with open(os.path.join(path, name), "rb") as a, open(os.path.join(other, name), "rb") as b:
@@ -87,6 +88,11 @@ def test_cache_is_reused_rebuilt_and_keyed(synthetic_cache, monkeypatch):
         changed = tiny_config(change)
         assert synthetic_backbone.prepare(changed, log=lines.append) not in (None, path)
     assert len(set(fits)) == 4 and path not in fits
+    # The padded vocabulary is part of the entry and recorded in the run's config.
+    assert cfg.model.padded_vocab_size == 128
+    at_tp2 = tiny_config("parallel.tensor=2")
+    assert synthetic_backbone.prepare(at_tp2, log=lines.append) not in (None, path)
+    assert at_tp2.model.padded_vocab_size == 256
     assert synthetic_backbone.prepare(tiny_config("model.backbone_init=random")) is None
     assert synthetic_backbone.prepare(tiny_config(f"data.train_files=[{REPO / 'examples/data/tiny_train.jsonl'}]")) is None
 

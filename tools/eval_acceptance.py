@@ -89,7 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     cost.add_argument("--cost-ratio", type=float, default=None, help="c_draft / c_target instead of times")
     cost.add_argument("--cost-context", type=int, default=None,
                       help="measured: context tokens of the timed sequence (default: the run's train.seq_length)")
-    cost.add_argument("--cost-repeats", type=int, default=10, help="measured: timed forwards (median; default 10)")
+    cost.add_argument("--cost-repeats", type=int, default=5,
+                      help="measured: timed repeats, after 2 warm-up ones (medians; default 5)")
     cost.add_argument("--no-speedup", action="store_true", help="no cost model (no timing)")
     args = parser.parse_args(argv)
     if (args.cost_target_ms is None) != (args.cost_draft_ms is None):
@@ -209,7 +210,7 @@ def cost_model(args, cfg, model, gamma: int, device: str):
     if args.cost_ratio is not None:
         return Costs.from_ratio(args.cost_ratio, method="given with --cost-ratio")
     costs = measure_costs(model, context=args.cost_context or cfg.train.seq_length, gamma=gamma,
-                          repeats=args.cost_repeats, device=device, vocab_size=cfg.model.vocab_size,
+                          repeats=args.cost_repeats, warmup=2, device=device, vocab_size=cfg.model.vocab_size,
                           barrier=dist.barrier if dist.get_world_size() > 1 else None)
     if args.cost_overhead_ms:
         costs = Costs.from_times(costs.target_ms, costs.draft_ms, args.cost_overhead_ms, "measured", costs.method)

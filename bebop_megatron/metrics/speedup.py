@@ -104,7 +104,7 @@ def speedup_table(per_temperature: dict, costs: Costs, num_positions: int) -> di
     return out
 
 
-def measure_costs(model, *, context: int, gamma: int, repeats: int = 10, warmup: int = 3, device="cpu",
+def measure_costs(model, *, context: int, gamma: int, repeats: int = 5, warmup: int = 2, device="cpu",
                   vocab_size: int | None = None, barrier=None) -> Costs:
     """Time the checkpoint's model on this machine: medians over ``repeats`` after ``warmup``.
 

@@ -20,6 +20,7 @@ run's process groups; the other ranks wait at a barrier.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -60,16 +61,39 @@ def cache_path(cfg) -> str:
     return os.path.join(cache_root(), "synthetic_backbone", digest)
 
 
+def _padded(cfg) -> int:
+    """The run's padded vocabulary (``model.builder.padded_vocab_size``, without importing Megatron)."""
+    if cfg.model.padded_vocab_size:
+        return cfg.model.padded_vocab_size
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor
+    return -(-cfg.model.vocab_size // multiple) * multiple
+
+
 def applies(cfg) -> bool:
     """``fit_synthetic`` on synthetic data without another backbone (a config already resolved
     to this cache entry, as a saved one is, still applies: a deleted entry is rebuilt)."""
     m = cfg.model
-    return (m.backbone_init == "fit_synthetic" and not cfg.data.train_files and not m.init_checkpoint
-            and m.backbone_checkpoint in (None, cache_path(cfg)))
+    if m.backbone_init != "fit_synthetic" or cfg.data.train_files or m.init_checkpoint:
+        return False
+    resolved = copy.deepcopy(cfg)
+    resolved.model.padded_vocab_size = _padded(cfg)
+    return m.backbone_checkpoint in (None, cache_path(resolved))
 
 
 def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, DONE))
+
+
+def resolve(cfg) -> str | None:
+    """Point ``cfg.model.backbone_checkpoint`` at the cache entry (nothing is fitted); None when
+    not applicable."""
+    if not applies(cfg):
+        return None
+    # The fitted embedding and output layer have the run's padded rows; recorded in the config, so
+    # that the run, its resume and tools/eval_acceptance.py (at any TP dividing it) load them.
+    cfg.model.padded_vocab_size = _padded(cfg)
+    cfg.model.backbone_checkpoint = cache_path(cfg)
+    return cfg.model.backbone_checkpoint
 
 
 def prepare(cfg, rank: int = 0, log=print) -> str | None:
@@ -78,10 +102,9 @@ def prepare(cfg, rank: int = 0, log=print) -> str | None:
     Call after ``init_distributed`` (it uses a barrier when a process group exists)."""
     import torch.distributed as dist
 
-    if not applies(cfg):
+    path = resolve(cfg)
+    if path is None:
         return None
-    path = cache_path(cfg)
-    cfg.model.backbone_checkpoint = path
     if rank == 0:
         if is_complete(path):
             log(f"backbone: fitted to the synthetic language, cached in {path}")
