@@ -94,7 +94,8 @@ def test_cache_is_reused_rebuilt_and_keyed(synthetic_cache, monkeypatch):
     assert synthetic_backbone.prepare(at_tp2, log=lines.append) not in (None, path)
     assert at_tp2.model.padded_vocab_size == 256
     assert synthetic_backbone.prepare(tiny_config("model.backbone_init=random")) is None
-    assert synthetic_backbone.prepare(tiny_config(f"data.train_files=[{REPO / 'examples/data/tiny_train.jsonl'}]")) is None
+    jsonl = REPO / "examples" / "data" / "tiny_train.jsonl"
+    assert synthetic_backbone.prepare(tiny_config(f"data.train_files=[{jsonl}]")) is None
 
 
 def test_missing_entry_is_rebuilt(synthetic_cache, tmp_path, monkeypatch):

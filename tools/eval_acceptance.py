@@ -185,16 +185,12 @@ def is_synthetic(args) -> bool:
 
 
 def held_out_dataset(cfg, args, progress: bool):
-    """The held-out rows: ``--data`` files, or samples of the run's synthetic language that
-    come after its ``data.num_samples`` training samples."""
-    from bebop_megatron.data import build_valid_dataset
-    from bebop_megatron.data.synthetic import MarkovDataset
+    """The held-out rows: ``--data`` files, or samples of the run's synthetic language."""
+    from bebop_megatron.data.builder import build_synthetic_held_out, build_valid_dataset
 
-    if not is_synthetic(args):
-        return build_valid_dataset(cfg, progress=progress)
-    d = cfg.data
-    return MarkovDataset(args.synthetic_samples, cfg.train.seq_length, cfg.model.vocab_size, d.markov_branching,
-                         d.seed, min_branching=d.markov_min_branching, index_offset=d.num_samples)
+    if is_synthetic(args):
+        return build_synthetic_held_out(cfg, args.synthetic_samples)
+    return build_valid_dataset(cfg, progress=progress)
 
 
 def cost_model(args, cfg, model, gamma: int, device: str):

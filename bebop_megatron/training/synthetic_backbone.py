@@ -134,8 +134,8 @@ def run_fit(cfg, path: str, log=print) -> dict:
     log(f"backbone: fitting a {cfg.model.num_layers}-layer backbone to the synthetic language "
         f"({FIT_STEPS} steps, once; cached in {path})")
     proc = subprocess.run([sys.executable, "-m", "bebop_megatron.training.synthetic_backbone",
-                           os.path.join(tmp, "run_config.yaml"), tmp], env=env, stdout=sys.stdout, stderr=subprocess.PIPE,
-                          text=True)
+                           os.path.join(tmp, "run_config.yaml"), tmp],
+                          env=env, stdout=sys.stdout, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0 or not is_complete(tmp):
         shutil.rmtree(tmp, ignore_errors=True)
         tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
