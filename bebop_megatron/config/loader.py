@@ -166,6 +166,7 @@ def validate(cfg: Config) -> None:
     _positive(mtp.num_steps, "mtp.num_steps")
     validate_sizes(cfg)
     _choice(mtp.next_step_input, "mtp.next_step_input", ("pre_norm", "post_norm"))
+    _choice(m.backbone_init, "model.backbone_init", ("random", "fit_synthetic"))
     _choice(mtp.init, "mtp.init", ("auto", "random", "copy_last_layer", "identity"))
     if mtp.num_layers not in (1, mtp.num_steps):
         raise ConfigError(

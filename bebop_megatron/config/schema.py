@@ -108,7 +108,15 @@ class ModelConfig:
     """Freeze embedding, decoder, final norm and output layer (the method). ``false`` trains
     the whole model on the same loss; only for comparisons (benchmarks, memory tests)."""
     backbone_checkpoint: Optional[str] = None
-    """Megatron distributed checkpoint of the backbone (any parallel layout); None = random init."""
+    """Megatron distributed checkpoint of the backbone (any parallel layout); None = random init
+    (or, with ``backbone_init=fit_synthetic``, the fitted synthetic backbone)."""
+    backbone_init: str = "random"
+    """The backbone without a checkpoint: ``random`` (Megatron's seeded init: p is almost uniform)
+    or ``fit_synthetic`` (the quick start's default): on synthetic data (no ``data.train_files``)
+    the backbone is first fitted to the synthetic language, once, and cached under
+    ``$BEBOP_MEGATRON_CACHE`` or ``~/.cache/bebop_megatron`` keyed by the model and data config
+    (``bebop_megatron/training/synthetic_backbone.py``); the run then uses it as
+    ``backbone_checkpoint``. Ignored with data files or a checkpoint."""
     init_checkpoint: Optional[str] = None
     """Megatron distributed checkpoint holding backbone *and* MTP weights to start from
     (e.g. one written by ``save_model_checkpoint`` or an imported MiMo/GLM model)."""
@@ -209,6 +217,11 @@ class DataConfig:
     """Synthetic dataset size (samples of ``train.seq_length + 1`` tokens)."""
     markov_branching: int = 4
     """Synthetic data: successors per token in the generating Markov chain (lower = easier)."""
+    markov_min_branching: Optional[int] = None
+    """Synthetic data: when set, each token's number of successors is drawn log-uniformly from
+    ``markov_min_branching .. markov_branching``, so the next-token entropy varies by token (as on
+    real text); None: every token has ``markov_branching``. Values of 1 can create absorbing
+    deterministic cycles: use >= 2."""
     seed: int = 1234
     """Synthetic data generation and the shuffle of real data (a new permutation per epoch)."""
 
@@ -239,7 +252,7 @@ class TrainConfig:
     that defines the model, the backbone or the data is refused (``model.*`` and ``mtp.*``
     except ``model.transformer_impl`` and ``mtp.init``; ``precision`` except bf16<->fp8;
     ``train.seq_length``; ``data.train_files/tokenizer/train_on/pack/overlong/num_samples/
-    markov_branching/seed``; ``train.seed`` with a random backbone; see
+    markov_branching/markov_min_branching/seed``; ``train.seed`` with a random backbone; see
     ``bebop_megatron/training/resume.py``). Other changes are listed in one line; a new LR
     schedule (``train.lr/min_lr/lr_schedule/warmup_fraction/weight_decay/steps``) applies from
     the resumed step on. ``none``: start at step 0; refused if ``save.dir`` already holds
