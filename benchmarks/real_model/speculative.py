@@ -1,0 +1,207 @@
+"""Real speculative decoding on the real model: measured vs predicted accepted length and the
+wall-time speed-up over plain decoding, per gamma and temperature (issue #16).
+
+    PYTHONPATH=. python benchmarks/real_model/speculative.py --run objective_ce_random \
+        --gammas 1 2 3 --temperatures 1 0.7 --num-prompts 4 --max-new-tokens 32 --publish
+
+Runs ``tools/speculative_generate.py``'s logic (:mod:`bebop_megatron.speculative`) on a trained
+checkpoint of ``run_objectives.py`` (``<cache>/runs/cpu/<run>/ckpt``) over the first
+``--num-prompts`` held-out prompts (``runs/cpu/data/prompts/heldout.jsonl``, chat template of
+the backbone's tokenizer). For each prompt and temperature, plain decoding (one target
+forward per token) and speculative decoding for every gamma run one after the other in this
+process with the same model and KV-cache code, so a change of machine load hits them alike;
+the speed-up is (plain seconds per token) / (speculative seconds per token), decode only (the
+prefill is the same for both and left out). The weights are cast to float32 (``--precision``):
+torch's bfloat16 matmuls are slower on this CPU.
+
+Resumable: every (prompt, temperature, gamma) result is a JSON file under
+``<cache>/runs/cpu/<run>/speculative/``; a rerun skips the finished ones. ``--publish`` writes
+the table into ``benchmarks/real_model/RESULTS.md`` (between the speculative markers) and
+appends rows to ``benchmarks/results.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from pipeline import cache_root, log  # noqa: E402
+
+BEGIN, END = "<!-- speculative: begin (benchmarks/real_model/speculative.py) -->", "<!-- speculative: end -->"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", default="objective_ce_random", help="run directory under <cache>/runs/cpu")
+    p.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--publish", action="store_true", help="write RESULTS.md's table and CSV rows")
+    p.add_argument("--summarize-only", action="store_true", help="only build the table from finished files")
+    return p.parse_args(argv)
+
+
+def gen_record(gen, alphas=None) -> dict:
+    rec = {"prompt_len": gen.prompt_len, "tokens": gen.tokens, "accepted": gen.accepted,
+           "target_forwards": gen.target_forwards, "target_seconds": gen.target_seconds,
+           "prefill_seconds": gen.prefill_seconds, "draft_seconds": gen.draft_seconds,
+           "rounds": [[r.start, r.num_accepted, r.online_alpha] for r in gen.rounds]}
+    if alphas is not None:
+        rec["alpha"], rec["positions"] = alphas[0].tolist(), alphas[1]
+    return rec
+
+
+def gen_of(rec: dict):
+    from bebop_megatron.speculative.decoding import Generation, Round
+
+    g = Generation(prompt_len=rec["prompt_len"], tokens=rec["tokens"], accepted=rec["accepted"],
+                   target_forwards=rec["target_forwards"], target_seconds=rec["target_seconds"],
+                   prefill_seconds=rec["prefill_seconds"], draft_seconds=rec["draft_seconds"])
+    g.rounds = [Round(*r) for r in rec["rounds"]]
+    return g
+
+
+def name(kind: str, tau: float, gamma: int | None, i: int) -> str:
+    return f"T{tau:g}_{kind}{'' if gamma is None else gamma}_p{i}.json"
+
+
+def generate(args, out: Path) -> None:
+    from bebop_megatron.data.generate import read_prompts
+    from bebop_megatron.data.tokenizer import tokenizer_from_dir
+    from bebop_megatron.speculative.decoding import autoregressive_generate, speculative_generate
+    from bebop_megatron.speculative.measure import teacher_forced_alphas
+    from bebop_megatron.speculative.megatron_model import MegatronSpecModel
+    from bebop_megatron.speculative.session import load, prompt_ids, stop_ids_of
+
+    todo = [(i, tau, g) for i in range(args.num_prompts) for tau in args.temperatures
+            for g in [None, *args.gammas] if not (out / name("ar" if g is None else "g", tau, g, i)).exists()]
+    if not todo:
+        log("every configuration is done")
+        return
+    root = cache_root() / "runs" / "cpu"
+    t0 = time.perf_counter()
+    model, cfg = load(str(root / args.run / "ckpt"), "cpu", precision=args.precision)
+    spec = MegatronSpecModel(model, cfg.model.vocab_size)
+    tokenizer = tokenizer_from_dir(cfg.data.tokenizer)
+    prompts = read_prompts(str(root / "data" / "prompts" / "heldout.jsonl"), args.num_prompts).prompts
+    stop = stop_ids_of(tokenizer)
+    log(f"loaded {args.run} in {time.perf_counter() - t0:.0f}s; {len(todo)} generations to run")
+    start = time.perf_counter()
+    for n, (i, tau, g) in enumerate(todo, 1):
+        ids = prompt_ids(tokenizer, prompts[i].messages)
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + i)
+        if g is None:
+            res = autoregressive_generate(spec, ids, temperature=tau, max_new_tokens=args.max_new_tokens,
+                                          generator=gen, stop_ids=stop)
+            rec = gen_record(res)
+        else:
+            res = speculative_generate(spec, ids, gamma=g, temperature=tau, max_new_tokens=args.max_new_tokens,
+                                       mode="rs", generator=gen, stop_ids=stop)
+            rec = gen_record(res, teacher_forced_alphas(spec, res, g, tau, "rs"))
+        path = out / name("ar" if g is None else "g", tau, g, i)
+        path.with_suffix(".tmp").write_text(json.dumps(rec))
+        path.with_suffix(".tmp").rename(path)
+        spent = time.perf_counter() - start
+        log(f"[{n}/{len(todo)}] prompt {i} T={tau:g} {'plain' if g is None else f'gamma={g}'}: "
+            f"{len(res.new_tokens)} tokens, {res.target_forwards} target forwards, "
+            f"{res.target_seconds + res.draft_seconds:.1f}s decode | ETA {spent / n * (len(todo) - n) / 60:.1f} min")
+
+
+def summarize(args, out: Path) -> list[dict]:
+    from bebop_megatron.speculative.session import summarize as summarize_config
+
+    rows = []
+    for tau in args.temperatures:
+        for g in args.gammas:
+            done = [i for i in range(args.num_prompts)
+                    if (out / name("g", tau, g, i)).exists() and (out / name("ar", tau, None, i)).exists()]
+            if not done:
+                continue
+            recs = [json.loads((out / name("g", tau, g, i)).read_text()) for i in done]
+            plain = [gen_of(json.loads((out / name("ar", tau, None, i)).read_text())) for i in done]
+            gens = [gen_of(r) for r in recs]
+            alphas = [(torch.tensor(r["alpha"], dtype=torch.float64).reshape(g, -1), r["positions"]) for r in recs]
+            res = summarize_config(gens, alphas, plain, gamma=g, temperature=tau, mode="rs",
+                                   max_new_tokens=args.max_new_tokens, seed=args.seed)
+            res["prompts"] = len(done)
+            rows.append(res)
+    return rows
+
+
+def _ci(v, ci) -> str:
+    return f"{v:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]"
+
+
+def table(rows: list[dict], args) -> str:
+    lines = ["| T | gamma | verifications | measured accepted / verification | predicted E[L] (Eq. 12, "
+             "teacher-forced) | predicted at the verification starts | accept rate per draft position "
+             "(accepted/attempts) | tokens / target forward | draft share of decode time | speed-up vs plain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pos = ", ".join(f"{p['rate']:.3f} ({p['accepted']}/{p['attempts']})" for p in r["per_position"])
+        wall = r["wall_seconds"]
+        share = wall["draft"] / max(wall["draft"] + wall["target"], 1e-9)
+        lines.append(f"| {r['temperature']:g} | {r['gamma']} | {r['num_verifications']} | "
+                     f"{_ci(r['measured_accept_len'], r['ci95'])} | {_ci(r['predicted_accept_len'], r['predicted_ci95'])} | "
+                     f"{_ci(r['predicted_accept_len_at_starts'], r['predicted_at_starts_ci95'])} | {pos} | "
+                     f"{r['tokens_per_target_forward']:.3f} | {share:.2f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def publish(rows: list[dict], args, text: str) -> None:
+    import torch as _torch
+
+    from common import append_results
+
+    path = HERE / "RESULTS.md"
+    body = path.read_text() if path.exists() else ""
+    if BEGIN in body:
+        body = body[: body.index(BEGIN)].rstrip() + "\n" + body[body.index(END) + len(END):].lstrip("\n")
+    path.write_text(body.rstrip() + "\n\n" + text + "\n")
+    for r in rows:
+        params = {"model": "qwen2.5-coder-1.5b", "run": args.run, "gamma": r["gamma"], "T": r["temperature"],
+                  "mode": "rs", "prompts": r["prompts"], "max_new_tokens": args.max_new_tokens,
+                  "precision": args.precision}
+        metrics = {"measured_accept_len": r["measured_accept_len"], "measured_ci_lo": r["ci95"][0],
+                   "measured_ci_hi": r["ci95"][1], "predicted_accept_len": r["predicted_accept_len"],
+                   "predicted_accept_len_at_starts": r["predicted_accept_len_at_starts"],
+                   "tokens_per_target_forward": r["tokens_per_target_forward"], "speedup": r["speedup"],
+                   "verifications": r["num_verifications"]}
+        append_results("real_model_speculative", "cpu", params, metrics, _torch.__version__)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = cache_root() / "runs" / "cpu" / args.run / "speculative"
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.summarize_only:
+        generate(args, out)
+    rows = summarize(args, out)
+    text = "\n".join([
+        BEGIN, "", f"## Speculative decoding, measured (run `{args.run}`, RS, {args.precision})", "",
+        f"Real speculative decoding with the trained MTP layer on the first {args.num_prompts} held-out prompts, "
+        f"{args.max_new_tokens} new tokens each, on 2 shared CPU cores: per (prompt, T) plain decoding and then "
+        "every gamma, same process, same KV-cache code. Intervals: 95% CLT over verifications (measured) or "
+        "over positions (predicted). Speed-up: plain decode seconds per token / speculative decode seconds per "
+        "token (prefill excluded).", "", table(rows, args), "", END])
+    print(text)
+    (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
+    if args.publish and rows:
+        publish(rows, args, text)
+
+
+if __name__ == "__main__":
+    main()
