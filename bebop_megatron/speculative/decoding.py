@@ -86,15 +86,25 @@ def speculative_generate(model, prompt_ids: list[int], *, gamma: int, temperatur
     The first new token comes from the prefill (as in the engines). A round may emit tokens
     past ``max_new_tokens`` or a stop token; the output is cut there, the statistics keep
     every verification."""
+    out = Generation(prompt_len=len(prompt_ids), tokens=list(prompt_ids))
+    for _ in speculative_steps(model, out, gamma=gamma, temperature=temperature, max_new_tokens=max_new_tokens,
+                               mode=mode, generator=generator, stop_ids=stop_ids):
+        pass
+    return out
+
+
+def speculative_steps(model, out: Generation, *, gamma, temperature, max_new_tokens, mode, generator, stop_ids=()):
+    """:func:`speculative_generate` as a generator filling ``out``: yields after the prefill and
+    after every verification (so that :func:`lockstep` can interleave it with plain decoding)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if gamma < 1:
         raise ValueError(f"gamma must be >= 1, got {gamma}")
-    out = Generation(prompt_len=len(prompt_ids), tokens=list(prompt_ids))
     t0 = time.perf_counter()
-    first = model.prefill(list(prompt_ids))
+    first = model.prefill(out.tokens[: out.prompt_len])
     out.prefill_seconds = time.perf_counter() - t0
     out.tokens.append(sample_token(probs_of(first, temperature), generator))
+    yield
 
     def pick(logits_V):
         q = probs_of(logits_V, temperature)
@@ -121,9 +131,9 @@ def speculative_generate(model, prompt_ids: list[int], *, gamma: int, temperatur
         model.keep(1 + num)
         out.rounds.append(Round(start, num, _online_alpha(p[:gamma], q, mode)[: num + 1]))
         out.tokens += [*drafts[:num], nxt]
+        yield
     out.accepted = list(out.tokens)
     _truncate(out, max_new_tokens, stop_ids)
-    return out
 
 
 def autoregressive_generate(model, prompt_ids: list[int], *, temperature: float, max_new_tokens: int,
@@ -131,11 +141,20 @@ def autoregressive_generate(model, prompt_ids: list[int], *, temperature: float,
     """Plain decoding with the same model and cache: one target forward per token (the baseline
     of the wall-time speed-up)."""
     out = Generation(prompt_len=len(prompt_ids), tokens=list(prompt_ids))
+    for _ in autoregressive_steps(model, out, temperature=temperature, max_new_tokens=max_new_tokens,
+                                  generator=generator, stop_ids=stop_ids):
+        pass
+    return out
+
+
+def autoregressive_steps(model, out: Generation, *, temperature, max_new_tokens, generator, stop_ids=()):
+    """:func:`autoregressive_generate` as a generator filling ``out``, one yield per forward."""
     t0 = time.perf_counter()
-    logits = model.prefill(list(prompt_ids))
+    logits = model.prefill(out.tokens[: out.prompt_len])
     out.prefill_seconds = time.perf_counter() - t0
     while True:
         out.tokens.append(sample_token(probs_of(logits, temperature), generator))
+        yield
         new = out.new_tokens
         if len(new) >= max_new_tokens or new[-1] in stop_ids:
             break
@@ -143,7 +162,19 @@ def autoregressive_generate(model, prompt_ids: list[int], *, temperature: float,
         logits = model.verify([out.tokens[-1]])[0]
         out.target_seconds += time.perf_counter() - t0
         out.target_forwards += 1
-    return out
+    out.accepted = list(out.tokens)
+
+
+def lockstep(*steps) -> None:
+    """Advance several step generators in turn (one step each, round-robin) until all are done,
+    so that a change of machine load during the run hits each of them alike."""
+    live = list(steps)
+    while live:
+        for it in list(live):
+            try:
+                next(it)
+            except StopIteration:
+                live.remove(it)
 
 
 def _truncate(out: Generation, max_new_tokens: int, stop_ids) -> None:

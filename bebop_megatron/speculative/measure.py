@@ -32,14 +32,15 @@ from bebop_megatron.speculative.decoding import probs_of
 
 
 def mean_ci(values: list[float]) -> tuple[float, list[float]]:
-    """Mean and 95% CLT interval (mean +- 1.96 s / sqrt(n))."""
+    """Mean and 95% CLT interval (mean +- 1.96 s / sqrt(n), clipped to the range of the values:
+    accepted lengths cannot be negative)."""
     n = len(values)
     if n == 0:
         return float("nan"), [float("nan"), float("nan")]
     mean = sum(values) / n
     var = sum((v - mean) ** 2 for v in values) / max(n - 1, 1)
     half = 1.96 * math.sqrt(var / n)
-    return mean, [mean - half, mean + half]
+    return mean, [max(mean - half, min(values)), min(mean + half, max(values))]
 
 
 def measured(generations, gamma: int) -> dict:
@@ -64,6 +65,7 @@ def measured(generations, gamma: int) -> dict:
         "num_verifications": len(rounds),
         "measured_accept_len": mean,
         "ci95": ci,
+        "measured_se": (sum((x - mean) ** 2 for x in lengths) / max(len(lengths) - 1, 1) / max(len(lengths), 1)) ** 0.5,
         "per_position": per_pos,
         "tokens_per_target_forward": emitted / forwards if forwards else float("nan"),
         "new_tokens": new_tokens,

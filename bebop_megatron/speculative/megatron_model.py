@@ -52,7 +52,7 @@ class KVCache:
 class MegatronSpecModel:
     """Drafts with the MTP block and verifies with the backbone of ``model`` (eval mode)."""
 
-    def __init__(self, model, vocab_size: int):
+    def __init__(self, model, vocab_size: int, weight_VH: torch.Tensor | None = None):
         from bebop_megatron.model.builder import PreNormChainMTPLayer
         from bebop_megatron.training.loss import output_weight_of
 
@@ -67,7 +67,8 @@ class MegatronSpecModel:
         self.repeated = bool(model.mtp.mtp_use_repeated_layer)
         self.pre_norm = isinstance(model.mtp.layers[0], PreNormChainMTPLayer)
         # float32 logits over the real vocabulary (as tools/eval_acceptance.py computes them), one copy
-        self.weight_VH = output_weight_of(model)[:vocab_size].detach().float()
+        # (``weight_VH``: share another instance's copy, e.g. for two sequences at once)
+        self.weight_VH = output_weight_of(model)[:vocab_size].detach().float() if weight_VH is None else weight_VH
         self.scale = cfg.softmax_scale or 1.0 / math.sqrt(cfg.kv_channels)
         self.rope = None
         self.reset()

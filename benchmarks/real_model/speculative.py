@@ -51,6 +51,9 @@ def parse_args(argv=None):
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--publish", action="store_true", help="write RESULTS.md's table and CSV rows")
     p.add_argument("--summarize-only", action="store_true", help="only build the table from finished files")
+    p.add_argument("--lockstep", action="store_true",
+                   help="speed-up only: plain and speculative decoding of the same prompt advanced in turn, one "
+                        "forward / verification each (two caches), so that load changes hit both alike")
     return p.parse_args(argv)
 
 
@@ -81,13 +84,24 @@ def name(kind: str, tau: float, gamma: int | None, i: int) -> str:
 def generate(args, out: Path) -> None:
     from bebop_megatron.data.generate import read_prompts
     from bebop_megatron.data.tokenizer import tokenizer_from_dir
-    from bebop_megatron.speculative.decoding import autoregressive_generate, speculative_generate
+    from bebop_megatron.speculative.decoding import (
+        Generation,
+        autoregressive_generate,
+        autoregressive_steps,
+        lockstep,
+        speculative_generate,
+        speculative_steps,
+    )
     from bebop_megatron.speculative.measure import teacher_forced_alphas
     from bebop_megatron.speculative.megatron_model import MegatronSpecModel
     from bebop_megatron.speculative.session import load, prompt_ids, stop_ids_of
 
-    todo = [(i, tau, g) for i in range(args.num_prompts) for tau in args.temperatures
-            for g in [None, *args.gammas] if not (out / name("ar" if g is None else "g", tau, g, i)).exists()]
+    if args.lockstep:
+        todo = [(i, tau, g) for i in range(args.num_prompts) for tau in args.temperatures for g in args.gammas
+                if not (out / name("ls", tau, g, i)).exists()]
+    else:
+        todo = [(i, tau, g) for i in range(args.num_prompts) for tau in args.temperatures
+                for g in [None, *args.gammas] if not (out / name("ar" if g is None else "g", tau, g, i)).exists()]
     if not todo:
         log("every configuration is done")
         return
@@ -95,6 +109,7 @@ def generate(args, out: Path) -> None:
     t0 = time.perf_counter()
     model, cfg = load(str(root / args.run / "ckpt"), "cpu", precision=args.precision)
     spec = MegatronSpecModel(model, cfg.model.vocab_size)
+    second = MegatronSpecModel(model, cfg.model.vocab_size, weight_VH=spec.weight_VH)  # plain decoding's cache
     tokenizer = tokenizer_from_dir(cfg.data.tokenizer)
     prompts = read_prompts(str(root / "data" / "prompts" / "heldout.jsonl"), args.num_prompts).prompts
     stop = stop_ids_of(tokenizer)
@@ -103,7 +118,15 @@ def generate(args, out: Path) -> None:
     for n, (i, tau, g) in enumerate(todo, 1):
         ids = prompt_ids(tokenizer, prompts[i].messages)
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + i)
-        if g is None:
+        if args.lockstep:
+            plain, res = Generation(len(ids), list(ids)), Generation(len(ids), list(ids))
+            lockstep(autoregressive_steps(second, plain, temperature=tau, max_new_tokens=args.max_new_tokens,
+                                          generator=torch.Generator().manual_seed(args.seed * 1_000_003 + i),
+                                          stop_ids=stop),
+                     speculative_steps(spec, res, gamma=g, temperature=tau, max_new_tokens=args.max_new_tokens,
+                                       mode="rs", generator=gen, stop_ids=stop))
+            rec = {"plain": gen_record(plain), "spec": gen_record(res)}
+        elif g is None:
             res = autoregressive_generate(spec, ids, temperature=tau, max_new_tokens=args.max_new_tokens,
                                           generator=gen, stop_ids=stop)
             rec = gen_record(res)
@@ -111,7 +134,7 @@ def generate(args, out: Path) -> None:
             res = speculative_generate(spec, ids, gamma=g, temperature=tau, max_new_tokens=args.max_new_tokens,
                                        mode="rs", generator=gen, stop_ids=stop)
             rec = gen_record(res, teacher_forced_alphas(spec, res, g, tau, "rs"))
-        path = out / name("ar" if g is None else "g", tau, g, i)
+        path = out / name("ls" if args.lockstep else "ar" if g is None else "g", tau, g, i)
         path.with_suffix(".tmp").write_text(json.dumps(rec))
         path.with_suffix(".tmp").rename(path)
         spent = time.perf_counter() - start
@@ -137,6 +160,17 @@ def summarize(args, out: Path) -> list[dict]:
             res = summarize_config(gens, alphas, plain, gamma=g, temperature=tau, mode="rs",
                                    max_new_tokens=args.max_new_tokens, seed=args.seed)
             res["prompts"] = len(done)
+            ls = [json.loads((out / name("ls", tau, g, i)).read_text()) for i in range(args.num_prompts)
+                  if (out / name("ls", tau, g, i)).exists()]
+            if ls:
+                pl, sp = [gen_of(r["plain"]) for r in ls], [gen_of(r["spec"]) for r in ls]
+                per_tok = lambda xs, f: sum(f(x) for x in xs) / max(sum(len(x.new_tokens) for x in xs), 1)  # noqa: E731
+                res["lockstep_speedup"] = (per_tok(pl, lambda x: x.target_seconds)
+                                           / per_tok(sp, lambda x: x.target_seconds + x.draft_seconds))
+                res["lockstep_prompts"] = len(ls)
+            res["speedup_per_prompt"] = [
+                (a.target_seconds / max(len(a.new_tokens), 1))
+                / ((x.target_seconds + x.draft_seconds) / max(len(x.new_tokens), 1)) for a, x in zip(plain, gens)]
             rows.append(res)
     return rows
 
@@ -148,8 +182,9 @@ def _ci(v, ci) -> str:
 def table(rows: list[dict], args) -> str:
     lines = ["| T | gamma | verifications | measured accepted / verification | predicted E[L] (Eq. 12, "
              "teacher-forced) | predicted at the verification starts | accept rate per draft position "
-             "(accepted/attempts) | tokens / target forward | draft share of decode time | speed-up vs plain |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "(accepted/attempts) | tokens / target forward | draft share of decode time | speed-up vs plain "
+             "(range over prompts) | speed-up, lockstep (prompts) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pos = ", ".join(f"{p['rate']:.3f} ({p['accepted']}/{p['attempts']})" for p in r["per_position"])
         wall = r["wall_seconds"]
@@ -157,7 +192,9 @@ def table(rows: list[dict], args) -> str:
         lines.append(f"| {r['temperature']:g} | {r['gamma']} | {r['num_verifications']} | "
                      f"{_ci(r['measured_accept_len'], r['ci95'])} | {_ci(r['predicted_accept_len'], r['predicted_ci95'])} | "
                      f"{_ci(r['predicted_accept_len_at_starts'], r['predicted_at_starts_ci95'])} | {pos} | "
-                     f"{r['tokens_per_target_forward']:.3f} | {share:.2f} | {r['speedup']:.2f}x |")
+                     f"{r['tokens_per_target_forward']:.3f} | {share:.2f} | {r['speedup']:.2f}x "
+                     f"({min(r['speedup_per_prompt']):.2f}-{max(r['speedup_per_prompt']):.2f}) | "
+                     + (f"{r['lockstep_speedup']:.2f}x ({r['lockstep_prompts']}) |" if "lockstep_speedup" in r else "n/a |"))
     return "\n".join(lines)
 
 
@@ -196,7 +233,9 @@ def main(argv=None) -> None:
         f"{args.max_new_tokens} new tokens each, on 2 shared CPU cores: per (prompt, T) plain decoding and then "
         "every gamma, same process, same KV-cache code. Intervals: 95% CLT over verifications (measured) or "
         "over positions (predicted). Speed-up: plain decode seconds per token / speculative decode seconds per "
-        "token (prefill excluded).", "", table(rows, args), "", END])
+        "token (prefill excluded), over all prompts together; the machine's load from other jobs changed within "
+        "minutes, so the per-prompt ratios (in brackets) show how noisy a wall-time ratio is here.", "",
+        table(rows, args), "", END])
     print(text)
     (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
     if args.publish and rows:
