@@ -16,7 +16,8 @@ so the tool runs Megatron's modules with its own per-layer KV caches (backbone a
 step; bebop_megatron/speculative/megatron_model.py). A verification costs one backbone
 forward over gamma+1 new tokens; drafting costs gamma MTP-layer forwards over the few
 positions whose inputs changed. --baseline also decodes each prompt plainly (one forward per
-token, same cache) and reports the wall-time speed-up.
+token, a second cache of the same model, advanced in turn with the speculative run so that
+load changes hit both alike) and reports the wall-time speed-up.
 
 The JSON holds, per draft position, the measured acceptance rate and count; the mean accepted
 length per verification (measured_accept_len, ci95: 95% CLT interval over verifications);
@@ -89,6 +90,7 @@ def main(argv=None) -> dict:
     result = run_config(spec, prompts, gamma=args.gamma, temperature=args.temperature, mode=args.mode,
                         max_new_tokens=args.max_new_tokens, seed=args.seed, stop_ids=stop_ids_of(tokenizer),
                         baseline=args.baseline,
+                        baseline_model=MegatronSpecModel(model, cfg.model.vocab_size, weight_VH=spec.weight_VH),
                         progress=lambda i, n: print(f"prompt {i}/{n} done", file=sys.stderr, flush=True))
     result["checkpoint"] = args.checkpoint
     result["texts"] = [decode(tokenizer, t) for t in result["texts"]]

@@ -15,7 +15,7 @@ import warnings
 
 import torch
 
-from bebop_megatron.speculative.decoding import autoregressive_generate, speculative_generate
+from bebop_megatron.speculative.decoding import Generation, autoregressive_steps, lockstep, speculative_steps
 from bebop_megatron.speculative.measure import measured, predicted, teacher_forced_alphas
 
 
@@ -106,21 +106,33 @@ def stop_ids_of(tokenizer) -> set[int]:
 
 
 def run_config(spec_model, prompts: list[list[int]], *, gamma: int, temperature: float, mode: str,
-               max_new_tokens: int, seed: int, stop_ids=(), baseline: bool = False, progress=None) -> dict:
-    """Speculative decoding of every prompt (and, with ``baseline``, plain decoding of the same
-    prompt right after it, same model and cache); the measured and predicted statistics."""
+               max_new_tokens: int, seed: int, stop_ids=(), baseline: bool = False, baseline_model=None,
+               progress=None) -> dict:
+    """Speculative decoding of every prompt; with ``baseline`` also plain decoding of the same
+    prompt: advanced in lockstep with it on ``baseline_model`` (a second cache of the same
+    model) when given, else right after it on ``spec_model``. Returns the measured and
+    predicted statistics (and the speed-up)."""
     gens, alphas, plain, predict_seconds = [], [], [], 0.0
     for i, ids in enumerate(prompts):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-        gens.append(speculative_generate(spec_model, ids, gamma=gamma, temperature=temperature,
-                                         max_new_tokens=max_new_tokens, mode=mode, generator=gen, stop_ids=stop_ids))
-        t0 = time.perf_counter()
-        alphas.append(teacher_forced_alphas(spec_model, gens[-1], gamma, temperature, mode))
-        predict_seconds += time.perf_counter() - t0
+        seed_i = seed * 1_000_003 + i
+        gen = Generation(len(ids), list(ids))
+        steps = speculative_steps(spec_model, gen, gamma=gamma, temperature=temperature, max_new_tokens=max_new_tokens,
+                                  mode=mode, generator=torch.Generator().manual_seed(seed_i), stop_ids=stop_ids)
         if baseline:
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-            plain.append(autoregressive_generate(spec_model, ids, temperature=temperature,
-                                                 max_new_tokens=max_new_tokens, generator=gen, stop_ids=stop_ids))
+            plain.append(Generation(len(ids), list(ids)))
+            plain_steps = autoregressive_steps(baseline_model or spec_model, plain[-1], temperature=temperature,
+                                               max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                               generator=torch.Generator().manual_seed(seed_i))
+        if baseline and baseline_model is not None:
+            lockstep(steps, plain_steps)
+        else:
+            lockstep(steps)
+        gens.append(gen)
+        t0 = time.perf_counter()
+        alphas.append(teacher_forced_alphas(spec_model, gen, gamma, temperature, mode))
+        predict_seconds += time.perf_counter() - t0
+        if baseline and baseline_model is None:
+            lockstep(plain_steps)
         if progress:
             progress(i + 1, len(prompts))
     return summarize(gens, alphas, plain, gamma=gamma, temperature=temperature, mode=mode,
