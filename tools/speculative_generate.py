@@ -40,8 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="training save.dir (its latest checkpoint) or one iter_N directory")
     parser.add_argument("--prompts", required=True, metavar="FILE", help="prompts JSONL")
-    parser.add_argument("--gamma", type=int, default=3, help="drafted tokens per verification (default 3); above mtp.num_steps only when one MTP layer is "
-                             "repeated (mtp_use_repeated_layer), which is then reused as vLLM does")
+    parser.add_argument("--gamma", type=int, default=3,
+                        help="drafted tokens per verification (default 3); above mtp.num_steps only when one MTP "
+                             "layer is repeated (mtp_use_repeated_layer), which is then reused as vLLM does")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature > 0 (default 1.0)")
     parser.add_argument("--mode", choices=("rs", "to"), default="rs",
                         help="rs: rejection sampling with sampled drafts; to: greedy drafts, target-only")

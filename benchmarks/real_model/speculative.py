@@ -189,12 +189,14 @@ def table(rows: list[dict], args) -> str:
         pos = ", ".join(f"{p['rate']:.3f} ({p['accepted']}/{p['attempts']})" for p in r["per_position"])
         wall = r["wall_seconds"]
         share = wall["draft"] / max(wall["draft"] + wall["target"], 1e-9)
+        lockstep = f"{r['lockstep_speedup']:.2f}x ({r['lockstep_prompts']})" if "lockstep_speedup" in r else "n/a"
+        per_prompt = f"({min(r['speedup_per_prompt']):.2f}-{max(r['speedup_per_prompt']):.2f})"
         lines.append(f"| {r['temperature']:g} | {r['gamma']} | {r['num_verifications']} | "
-                     f"{_ci(r['measured_accept_len'], r['ci95'])} | {_ci(r['predicted_accept_len'], r['predicted_ci95'])} | "
+                     f"{_ci(r['measured_accept_len'], r['ci95'])} | "
+                     f"{_ci(r['predicted_accept_len'], r['predicted_ci95'])} | "
                      f"{_ci(r['predicted_accept_len_at_starts'], r['predicted_at_starts_ci95'])} | {pos} | "
-                     f"{r['tokens_per_target_forward']:.3f} | {share:.2f} | {r['speedup']:.2f}x "
-                     f"({min(r['speedup_per_prompt']):.2f}-{max(r['speedup_per_prompt']):.2f}) | "
-                     + (f"{r['lockstep_speedup']:.2f}x ({r['lockstep_prompts']}) |" if "lockstep_speedup" in r else "n/a |"))
+                     f"{r['tokens_per_target_forward']:.3f} | {share:.2f} | {r['speedup']:.2f}x {per_prompt} | "
+                     f"{lockstep} |")
     return "\n".join(lines)
 
 
