@@ -177,8 +177,9 @@ def test_megatron_model_and_tool(tmp_path):
     """Tiny trained checkpoint: exactness against the full forward, the tool's JSON, measured
     vs predicted (the helper prints its numbers as JSON)."""
     save = tmp_path / "run"
+    # The embedded default fits a synthetic backbone into the user's cache: a random one here.
     run_script(str(REPO / "examples" / "pretrain_mtp.py"), ["parallel.tensor=1", "train.steps=3",
-                                                            f"save.dir={save}"], nproc=1)
+                                                            "model.backbone_init=random", f"save.dir={save}"], nproc=1)
     proc = run_script("speculative_case.py", [str(save)], nproc=1, timeout=400)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["backbone_max_diff"] < 1e-4 and result["draft_max_diff"] < 1e-4

@@ -10,6 +10,7 @@ single process, TP=1, PP=1.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 
@@ -42,6 +43,7 @@ def load(checkpoint: str, device: str = "cpu", precision: str | None = None):
     from bebop_megatron.model import build_model
     from bebop_megatron.platform import init_distributed
     from bebop_megatron.training import checkpoint as ckpt
+    from bebop_megatron.training import synthetic_backbone
     from bebop_megatron.training.checkpoint import read_common_state
     from bebop_megatron.training.parallel import setup_parallel
     from bebop_megatron.training.resume import damage
@@ -70,6 +72,9 @@ def load(checkpoint: str, device: str = "cpu", precision: str | None = None):
         overrides.append("precision=bf16")
     cfg = load_config(None, overrides, defaults=saved)
     setup_parallel(cfg, world)
+    # A run on the fitted synthetic backbone (model.backbone_init=fit_synthetic): rebuilt when its
+    # cache entry is missing, as tools/eval_acceptance.py does.
+    synthetic_backbone.prepare(cfg, 0, log=lambda line: print(line, file=sys.stderr, flush=True))
     model = build_model(cfg, device)
     if cfg.model.backbone_checkpoint:
         ckpt.load_model_weights(cfg.model.backbone_checkpoint, model, backbone_only=True)
