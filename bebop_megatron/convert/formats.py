@@ -340,9 +340,13 @@ def _serve_nextn(out: str, target: str, mtp_only: bool, target_model: str) -> st
             "--speculative-num-draft-tokens 4 --speculative-use-rejection-sampling")
 
 
-FORMATS = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek": DeepSeek}
+from bebop_megatron.convert.qwen3_5 import Qwen3_5  # noqa: E402  (they use _serve_nextn above)
+from bebop_megatron.convert.qwen3_next import Qwen3Next  # noqa: E402
+
+FORMATS = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek": DeepSeek, "qwen3_next": Qwen3Next, "qwen3_5": Qwen3_5}
 # The format whose names an HF checkpoint of a family stores its MTP layers in (import).
-IMPORT_FORMAT = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek_v3": DeepSeek}
+IMPORT_FORMAT = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek_v3": DeepSeek, "qwen3_next": Qwen3Next,
+                 "qwen3_5": Qwen3_5, "qwen3_5_moe": Qwen3_5}
 # Formats named in the issue but not implemented yet: refused with this reason.
 PLANNED: dict[str, str] = {}
 
