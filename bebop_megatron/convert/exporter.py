@@ -12,10 +12,12 @@ import os
 
 import torch
 
-from bebop_megatron.convert import megatron_io, verify as verify_mod
+from bebop_megatron.convert import megatron_io, qwen_verify, verify as verify_mod
 from bebop_megatron.convert.backbone_check import check_backbone
 from bebop_megatron.convert.errors import ConvertError
 from bebop_megatron.convert.formats import TARGETS, Glm4Moe, MiMo, get_format
+from bebop_megatron.convert.qwen3_5 import vision_tensors
+from bebop_megatron.convert.qwen3_next import Qwen3Next
 from bebop_megatron.convert.hf_config import describe, model_overrides, read_config
 from bebop_megatron.convert.hf_io import copy_tokenizer, read_all, write_json, write_sharded
 from bebop_megatron.convert.layers import layer_to_hf
@@ -27,17 +29,19 @@ def export_tensors(sd: dict, hf, fmt, num_mtp: int, target: str, mtp_only: bool)
     emb = sd["embedding.word_embeddings.weight"][:V]
     head = sd["output_layer.weight"][:V] if "output_layer.weight" in sd else emb
     sglang_nextn = issubclass(fmt, Glm4Moe) and target == "sglang" and mtp_only  # embedding/head from the target
+    qwen = issubclass(fmt, Qwen3Next)
+    p = fmt.backbone_prefix(hf.config) if qwen else "model."  # Qwen3.5 multimodal: model.language_model.
     out: dict[str, torch.Tensor] = {}
-    if not sglang_nextn and (fmt is MiMo or not mtp_only):
-        out["model.embed_tokens.weight"] = emb
-    if fmt is MiMo:  # vLLM's MiMoMTP checks lm_head.weight was loaded, even for a tied model
+    if not sglang_nextn and (fmt is MiMo or qwen or not mtp_only):
+        out[f"{p}embed_tokens.weight"] = emb
+    if fmt is MiMo or (qwen and fmt.writes_head(hf.config)):  # vLLM's drafts check lm_head.weight was loaded
         out["lm_head.weight"] = head
     if not mtp_only:
         if not hf.tie_embeddings:
             out["lm_head.weight"] = head
-        out["model.norm.weight"] = sd["decoder.final_layernorm.weight"]
+        out[f"{p}norm.weight"] = sd["decoder.final_layernorm.weight"]
         for i in range(hf.num_layers):
-            out.update(layer_to_hf(sd, f"decoder.layers.{i}.", f"model.layers.{i}.", hf.layer_at(i),
+            out.update(layer_to_hf(sd, f"decoder.layers.{i}.", f"{p}layers.{i}.", hf.layer_at(i),
                                    qkv_bias=fmt.backbone_qkv_bias))
     for i in range(num_mtp):
         extra = {"sglang_nextn": True} if sglang_nextn else {}
@@ -48,11 +52,13 @@ def export_tensors(sd: dict, hf, fmt, num_mtp: int, target: str, mtp_only: bool)
 def expected_shapes(fmt, config: dict, num_mtp: int, target: str, mtp_only: bool) -> dict[str, tuple]:
     """Names and shapes the engine's loader reads, from the written config alone."""
     out = {}
-    V, H = config["vocab_size"], config["hidden_size"]
+    V, H = (config["vocab_size"], config["hidden_size"]) if "vocab_size" in config else (0, 0)
     if not mtp_only:
         out.update(fmt.expected_backbone_shapes(config))
     elif fmt is MiMo:
         out.update({"model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H)})
+    elif issubclass(fmt, Qwen3Next):
+        out.update(fmt.expected_shared_shapes(config))
     for i in range(num_mtp):
         out.update(fmt.expected_mtp_shapes(config, i, target, mtp_only))
     return out
@@ -129,6 +135,10 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     megatron_io.load(ckpt, model, is_mtp_param)
     tensors = export_tensors(megatron_io.weights(model), hf, fmt, num_mtp, target, mtp_only)
     expected = expected_shapes(fmt, config, num_mtp, target, mtp_only)
+    if issubclass(fmt, Qwen3Next) and not mtp_only:  # Qwen3.5's vision tower, passed through unchanged
+        vision = vision_tensors(hf_dir or _hf_dir(None, [backbone, checkpoint, bb]), config)
+        tensors.update(vision)
+        expected.update({k: tuple(v.shape) for k, v in vision.items()})
     verify_mod.check_keys(tensors, expected)  # before anything is written
 
     _prepare_out(out_dir, [checkpoint, ckpt, bb, backbone, hf_dir])
@@ -197,15 +207,24 @@ def verify_export(out_dir, model, fmt, config, expected, num_mtp, target, mtp_on
     tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     hidden, logits = megatron_io.forward_hidden_and_logits(model, tokens, vocab)
     result = {}
+    qwen = issubclass(fmt, Qwen3Next)
     if mtp_only:
         h = hidden[0]  # the backbone is not in the files: take its final hidden state from Megatron
     else:
-        if fmt is MiMo:
+        if qwen:
+            h, ref_logits = qwen_verify.backbone_hidden(out_dir, tokens)
+        elif fmt is MiMo:
             h, ref_logits = verify_mod.mimo_backbone_hidden(written, config, tokens)
         else:
             h, ref_logits = verify_mod.nextn_backbone_hidden(out_dir, config, tokens, fmt.name)
         result["max_diff_backbone"] = verify_mod.compare("backbone logits", logits[0], ref_logits, tol)
-    if fmt is MiMo:
+    if qwen:  # the target's embedding and head (the draft's copies are vLLM's loader's demand only)
+        sd = megatron_io.weights(model)
+        emb = sd["embedding.word_embeddings.weight"][:vocab]
+        head = sd["output_layer.weight"][:vocab] if "output_layer.weight" in sd else emb
+        drafts = qwen_verify.draft_logits(written, out_dir, h, tokens, num_mtp, emb, head,
+                                          pre_norm=fmt.next_step_input(target) == "pre_norm")
+    elif fmt is MiMo:
         drafts = verify_mod.mimo_draft_logits(written, config, h, tokens, num_mtp,
                                               pre_norm=fmt.next_step_input(target) == "pre_norm")
     else:  # the target's embedding and head where the draft does not carry them

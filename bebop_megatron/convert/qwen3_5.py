@@ -13,6 +13,9 @@ text-only source (``Qwen3_5ForCausalLM``) exports with ``model.*`` names. vLLM's
 
 from __future__ import annotations
 
+import os
+
+from bebop_megatron.convert.errors import ConvertError
 from bebop_megatron.convert.qwen3_next import Qwen3Next
 
 VISION_FILE = "vision.safetensors"  # next to the imported checkpoint's config.json (hf/)
@@ -44,3 +47,16 @@ class Qwen3_5(Qwen3Next):
         else:
             cfg["mtp_num_hidden_layers"] = num_mtp
         return cfg
+
+
+def vision_tensors(hf_dir: str, cfg: dict) -> dict:
+    """The vision tower a full export of the multimodal layout writes back (empty for text-only)."""
+    if not isinstance(cfg.get("text_config"), dict) or "vision_config" not in cfg:
+        return {}
+    path = os.path.join(hf_dir, VISION_FILE)
+    if not os.path.isfile(path):
+        raise ConvertError(f"a full Qwen3_5ForConditionalGeneration export needs the vision tower: {path} is missing "
+                           "(convert_from_hf.py writes it; or export --mtp-only)")
+    from safetensors.torch import load_file
+
+    return load_file(path)
