@@ -121,6 +121,9 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     hf = describe(read_config(_hf_dir(hf_dir, [backbone, checkpoint, bb])))
     fmt.check(hf.layer, hf.family, num_mtp, target, mtp_only)
     config = fmt.hf_config(hf.config, num_mtp, target, mtp_only)
+    vision = {}  # Qwen3.5's multimodal layout: the vision tower, passed through unchanged (full export)
+    if issubclass(fmt, Qwen3Next) and not mtp_only:
+        vision = vision_tensors(hf_dir or _hf_dir(None, [backbone, checkpoint, bb]), config)
     rows = bb_shapes["embedding.word_embeddings.weight"][0]
     if rows < hf.vocab_size:
         raise ConvertError(f"checkpoint vocabulary {rows} < config.json vocab_size {hf.vocab_size}")
@@ -135,10 +138,8 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     megatron_io.load(ckpt, model, is_mtp_param)
     tensors = export_tensors(megatron_io.weights(model), hf, fmt, num_mtp, target, mtp_only)
     expected = expected_shapes(fmt, config, num_mtp, target, mtp_only)
-    if issubclass(fmt, Qwen3Next) and not mtp_only:  # Qwen3.5's vision tower, passed through unchanged
-        vision = vision_tensors(hf_dir or _hf_dir(None, [backbone, checkpoint, bb]), config)
-        tensors.update(vision)
-        expected.update({k: tuple(v.shape) for k, v in vision.items()})
+    tensors.update(vision)
+    expected.update({k: tuple(v.shape) for k, v in vision.items()})
     verify_mod.check_keys(tensors, expected)  # before anything is written
 
     _prepare_out(out_dir, [checkpoint, ckpt, bb, backbone, hf_dir])

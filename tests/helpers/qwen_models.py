@@ -59,7 +59,8 @@ def mtp_tensors(cfg, seed: int = 7) -> dict[str, torch.Tensor]:
     return out
 
 
-def make_qwen_model(family: str, path: Path, seed: int = 0, with_mtp: bool = True) -> Path:
+def make_qwen_model(family: str, path: Path, seed: int = 0, with_mtp: bool = True,
+                    dtype: torch.dtype = torch.float32) -> Path:
     """Save a random model (norms away from their neutral value) with MTP weights and a tokenizer."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
@@ -79,12 +80,12 @@ def make_qwen_model(family: str, path: Path, seed: int = 0, with_mtp: bool = Tru
         for name, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(str(path))
+    model.to(dtype).save_pretrained(str(path))
     make_hf_tokenizer(path)
     conf = json.loads((path / "config.json").read_text())
     if with_mtp:
         weights = load_file(str(path / "model.safetensors"))
-        weights.update(mtp_tensors(text))
+        weights.update({k: v.to(dtype) for k, v in mtp_tensors(text).items()})
         save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
         if family == "qwen3_next":
             conf["num_nextn_predict_layers"] = 1
