@@ -1,5 +1,6 @@
 """Megatron checkpoint (any layout) -> Hugging Face directory for vLLM / SGLang
-(``tools/convert_to_hf.py``); formats ``mimo``, ``glm4_moe`` and ``deepseek`` (DeepSeek-V3).
+(``tools/convert_to_hf.py``); formats ``mimo``, ``glm4_moe``, ``deepseek`` (DeepSeek-V3),
+``qwen3_next`` and ``qwen3_5``.
 
 Full export: backbone and MTP layers in the format's names, ``config.json`` with the MTP
 field set, sharded safetensors with an index, tokenizer files. ``--mtp-only``: the draft
