@@ -30,7 +30,7 @@ LAYOUTS = {
     "glm4_moe": ["parallel.tensor=1", "parallel.expert=2", "parallel.tensor=2,parallel.sequence_parallel=true"],
     # Qwen3.5 / Qwen3-Next hybrids (one Gated DeltaNet and one gated-attention layer; tests/helpers/qwen_models.py)
     "qwen3_5": ["parallel.tensor=1", "parallel.tensor=2,parallel.sequence_parallel=true"],
-    "qwen3_5_mm": ["parallel.tensor=1", "parallel.tensor=2"],
+    "qwen3_5_mm": ["parallel.tensor=1"],  # the multimodal release's names; layouts as qwen3_5
     "qwen3_5_moe": ["parallel.tensor=1", "parallel.expert=2", "parallel.tensor=2,parallel.sequence_parallel=true"],
     "qwen3_next": ["parallel.tensor=1", "parallel.expert=2", "parallel.tensor=2,parallel.sequence_parallel=true"],
 }

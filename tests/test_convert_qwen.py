@@ -66,8 +66,7 @@ EXPECTED = {
 FORMAT = {"qwen3_5": "qwen3_5", "qwen3_5_mm": "qwen3_5", "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
 # (model, target, mtp_only): every family full for vLLM; the draft alone and SGLang on two of them
 EXPORTS = [(m, "vllm", False) for m in EXPECTED] + [
-    ("qwen3_5_mm", "vllm", True), ("qwen3_next", "vllm", True), ("qwen3_next", "sglang", True),
-    ("qwen3_5_moe", "sglang", False)]
+    ("qwen3_5_mm", "vllm", True), ("qwen3_next", "vllm", True), ("qwen3_next", "sglang", True)]
 
 
 def _name(model, target, mtp_only):
@@ -101,7 +100,7 @@ def batch(tmp_path_factory):
 
     models = {m: make_qwen_model(m, root / m / "hf") for m in EXPECTED}
     models["qwen3_5_bf16"] = make_qwen_model("qwen3_5", root / "qwen3_5_bf16" / "hf", dtype=torch.bfloat16)
-    models["qwen3_5_no_mtp"] = make_qwen_model("qwen3_5", root / "qwen3_5_no_mtp" / "hf", with_mtp=False)
+    models["qwen3_5_no_mtp"] = make_qwen_model("qwen3_5", root / "qwen3_5_no_mtp" / "hf", with_mtp=False, tie=True)
     for m, hf_dir in models.items():
         add(f"import/{m}", "convert_from_hf", ["--hf-dir", str(hf_dir), "--out", str(root / m / "megatron"),
                                                "--max-tensor-parallel", "2"])
@@ -185,9 +184,10 @@ def test_round_trip_bit_exact(batch, model):
         assert written[name].dtype == t.dtype and torch.equal(written[name], t), name
 
 
-def test_round_trip_bf16_and_model_without_mtp(batch):
-    """bf16 weights round-trip bit-exactly (the gated norm through w - 1 in float32); a checkpoint
-    without mtp.* gets a fresh MTP layer, exported and verified like an imported one."""
+def test_round_trip_bf16_and_tied_model_without_mtp(batch):
+    """bf16 weights round-trip bit-exactly (the gated norm through w - 1 in float32); a tied
+    checkpoint without mtp.* gets a fresh MTP layer, exported (no lm_head: vLLM's Qwen3.5 draft
+    takes the embedding) and verified like an imported one."""
     root, results = batch
     assert results["export/qwen3_5_bf16"].returncode == 0, results["export/qwen3_5_bf16"].stderr[-2000:]
     source, written = _load(root / "qwen3_5_bf16" / "hf"), _load(root / "out" / "qwen3_5_bf16")
@@ -196,7 +196,11 @@ def test_round_trip_bf16_and_model_without_mtp(batch):
     proc = results["export/qwen3_5_no_mtp"]
     assert proc.returncode == 0 and "verified:" in proc.stdout, proc.stderr[-2000:]
     assert "(random)" in results["import/qwen3_5_no_mtp"].stdout
-    assert set(_load(root / "out" / "qwen3_5_no_mtp")) == EXPECTED["qwen3_5"]["full"]
+    written = _load(root / "out" / "qwen3_5_no_mtp")
+    assert set(written) == EXPECTED["qwen3_5"]["full"] - {"lm_head.weight"}
+    source = _load(root / "qwen3_5_no_mtp" / "hf")
+    assert set(source) == {k for k in written if not k.startswith("mtp.")}
+    assert all(torch.equal(written[k], t) for k, t in source.items())
 
 
 def test_three_draft_steps_hand_on_the_normed_state(batch):

@@ -25,14 +25,15 @@ TEXT = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_he
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
-def text_config(family: str):
+def text_config(family: str, tie: bool = False):
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
+    text = {**TEXT, "tie_word_embeddings": tie}
     if family == "qwen3_next":
-        return Qwen3NextConfig(**TEXT, **MOE, intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1)
+        return Qwen3NextConfig(**text, **MOE, intermediate_size=96, norm_topk_prob=True, decoder_sparse_step=1)
     if family == "qwen3_5_moe":
-        return Qwen3_5MoeTextConfig(**TEXT, **MOE)
-    return Qwen3_5TextConfig(**TEXT, intermediate_size=96)
+        return Qwen3_5MoeTextConfig(**text, **MOE)
+    return Qwen3_5TextConfig(**text, intermediate_size=96)
 
 
 def mtp_tensors(cfg, seed: int = 7) -> dict[str, torch.Tensor]:
@@ -60,13 +61,14 @@ def mtp_tensors(cfg, seed: int = 7) -> dict[str, torch.Tensor]:
 
 
 def make_qwen_model(family: str, path: Path, seed: int = 0, with_mtp: bool = True,
-                    dtype: torch.dtype = torch.float32) -> Path:
-    """Save a random model (norms away from their neutral value) with MTP weights and a tokenizer."""
+                    dtype: torch.dtype = torch.float32, tie: bool = False) -> Path:
+    """Save a random model (norms away from their neutral value) with MTP weights and a tokenizer;
+    ``tie``: tied embedding and head (small Qwen3.5 models), text-only layouts."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    text = text_config(family)
+    text = text_config(family, tie)
     if family == "qwen3_5_mm":
         from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
