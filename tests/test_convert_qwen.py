@@ -15,7 +15,7 @@ layer, hidden 64, fp32, one MTP layer with the published ``mtp.*`` names) are im
 - three draft steps of one reused layer: the Megatron chain equals the reference that hands
   on the ``mtp.norm`` output (both engines), and differs from one that hands on the output
   before it (so the check sees the hand-off);
-- refusals, one ``error:`` line each.
+- refusals, one ``error:`` line each (and the config's for packed rows under SP).
 Import logits against transformers (TP=1, TP=2+SP, EP=2): tests/test_convert_import.py; MTP
 training at PP=2 / EP=2 against one rank: tests/distributed/test_layouts.py.
 """
@@ -230,16 +230,21 @@ def test_refusals(batch, name, text):
     assert text in _error_line(results[f"error/{name}"])
 
 
-def test_packing_refused_and_gdn_platform():
-    """data.pack=true with Gated DeltaNet layers: one error naming the field. The torch l2norm
-    redirection equals a float64 reference, and every redirected attribute exists."""
+def test_config_refusals_and_gdn_platform(tmp_path):
+    """Packed real data with sequence parallelism and Gated DeltaNet layers (each packed document
+    runs alone through them, tests/test_trainer_data.py): one error naming the fields. The torch
+    l2norm redirection equals a float64 reference, and every redirected attribute exists."""
     from bebop_megatron.config import ConfigError, load_config
     from bebop_megatron.platform import gdn_torch
 
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "a b c"}\n')
     hybrid = ["device=cpu", "model.num_layers=2", "model.layer_types=[linear_attention,full_attention]",
-              "model.linear_num_key_heads=2", "model.linear_num_value_heads=4"]
-    with pytest.raises(ConfigError, match=r"^data.pack=true is not supported with Gated DeltaNet layers"):
-        load_config(defaults=None, overrides=hybrid + ["data.pack=true"])
+              "model.linear_num_key_heads=2", "model.linear_num_value_heads=4", f"data.train_files=[{data}]",
+              "parallel.tensor=2", "parallel.sequence_parallel=true"]
+    with pytest.raises(ConfigError, match=r"^data.pack=true with Gated DeltaNet layers .* needs "
+                                          r"parallel.sequence_parallel=false"):
+        load_config(overrides=hybrid)
     assert load_config(overrides=hybrid + ["data.pack=false"]).model.layer_types[0] == "linear_attention"
     with pytest.raises(ConfigError, match="model.layer_types has 1 entries"):
         load_config(overrides=["device=cpu", "model.num_layers=2", "model.layer_types=[full_attention]"])

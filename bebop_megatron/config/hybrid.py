@@ -38,9 +38,9 @@ def validate_hybrid(cfg) -> None:
     if m.transformer_impl == "transformer_engine":
         raise ConfigError("model.layer_types with linear_attention runs Megatron-Core's local modules only: "
                           "set model.transformer_impl=local (or auto)")
-    if cfg.data.pack:
-        # The torch Gated DeltaNet path takes no document boundaries (cu_seqlens): its recurrent
-        # state would flow from one packed document into the next.
-        raise ConfigError("data.pack=true is not supported with Gated DeltaNet layers (model.layer_types has "
-                          "linear_attention): its recurrent state would cross document boundaries; set "
-                          "data.pack=false (one document per row)")
+    if cfg.data.pack and p.sequence_parallel and (cfg.data.train_files or cfg.data.valid_files):
+        # Each packed document runs alone through the Gated DeltaNet (model/hybrid.py), which needs
+        # the whole sequence on every rank.
+        raise ConfigError("data.pack=true with Gated DeltaNet layers (model.layer_types has linear_attention) "
+                          "needs parallel.sequence_parallel=false: each packed document runs alone through "
+                          "the recurrent layers; or set data.pack=false")

@@ -135,8 +135,6 @@ def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = No
     megatron_io.save(out_dir, model)
 
     sections = {"model": model_cfg, "mtp": {"num_layers": num_mtp, "num_steps": steps}}
-    if model_cfg.get("layer_types") and "linear_attention" in model_cfg["layer_types"]:
-        sections["data"] = {"pack": False}  # Gated DeltaNet's state would cross packed documents
     hf_out = os.path.join(out_dir, "hf")
     os.makedirs(hf_out, exist_ok=True)
     write_json(os.path.join(hf_out, "config.json"), hf.config)

@@ -27,7 +27,6 @@ def make_config(model: dict, mtp_layers: int, mtp_steps: int, next_step_input: s
         "parallel": {"tensor": 1, "pipeline": 1, "expert": 1},
         "save": {"dir": None},
         "train": {"resume": "none"},
-        "data": {"pack": False},  # no data here; Gated DeltaNet models refuse packing
     })
 
 
