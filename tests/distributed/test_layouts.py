@@ -34,7 +34,7 @@ QWEN_HYBRID = [
     "model.layer_types=[linear_attention,full_attention,linear_attention,full_attention]",
     "model.attention_output_gate=true", "model.zero_centered_norms=true", "model.qk_layernorm=true",
     "model.kv_channels=16", "model.rotary_percent=0.25", "model.linear_key_head_dim=8", "model.linear_value_head_dim=8",
-    "model.linear_num_key_heads=2", "model.linear_num_value_heads=4", "data.pack=false",
+    "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
 ]
 FAMILIES = {
     "dense": ["model.qk_layernorm=true"],
