@@ -214,7 +214,7 @@ def verify_export(out_dir, model, fmt, config, expected, num_mtp, target, mtp_on
         h = hidden[0]  # the backbone is not in the files: take its final hidden state from Megatron
     else:
         if qwen:
-            h, ref_logits = qwen_verify.backbone_hidden(out_dir, tokens)
+            h, ref_logits = qwen_verify.backbone_hidden(out_dir, written, config, tokens, fmt.name)
         elif fmt is MiMo:
             h, ref_logits = verify_mod.mimo_backbone_hidden(written, config, tokens)
         else:
@@ -224,7 +224,7 @@ def verify_export(out_dir, model, fmt, config, expected, num_mtp, target, mtp_on
         sd = megatron_io.weights(model)
         emb = sd["embedding.word_embeddings.weight"][:vocab]
         head = sd["output_layer.weight"][:vocab] if "output_layer.weight" in sd else emb
-        drafts = qwen_verify.draft_logits(written, out_dir, h, tokens, num_mtp, emb, head,
+        drafts = qwen_verify.draft_logits(written, config, h, tokens, num_mtp, emb, head,
                                           pre_norm=fmt.next_step_input(target) == "pre_norm")
     elif fmt is MiMo:
         drafts = verify_mod.mimo_draft_logits(written, config, h, tokens, num_mtp,

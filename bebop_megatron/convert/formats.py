@@ -12,6 +12,8 @@ import torch
 from bebop_megatron.convert.errors import ConvertError
 from bebop_megatron.convert.hf_config import LayerShape
 from bebop_megatron.convert.layers import layer_to_hf, layer_to_megatron
+from bebop_megatron.convert.qwen3_5 import Qwen3_5
+from bebop_megatron.convert.qwen3_next import Qwen3Next
 
 TARGETS = ("vllm", "sglang")
 
@@ -339,9 +341,6 @@ def _serve_nextn(out: str, target: str, mtp_only: bool, target_model: str) -> st
             f"--speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 1 "
             "--speculative-num-draft-tokens 4 --speculative-use-rejection-sampling")
 
-
-from bebop_megatron.convert.qwen3_5 import Qwen3_5  # noqa: E402  (they use _serve_nextn above)
-from bebop_megatron.convert.qwen3_next import Qwen3Next  # noqa: E402
 
 FORMATS = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek": DeepSeek, "qwen3_next": Qwen3Next, "qwen3_5": Qwen3_5}
 # The format whose names an HF checkpoint of a family stores its MTP layers in (import).

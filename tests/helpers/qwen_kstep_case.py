@@ -47,8 +47,10 @@ def main() -> None:
         emb = sd["embedding.word_embeddings.weight"][:vocab]
         head = sd.get("output_layer.weight", emb)[:vocab]
         written = read_all(case["export"])
+        with open(os.path.join(case["export"], "config.json")) as f:
+            config = json.load(f)
         for key, pre in (("post", False), ("pre", True)):
-            refs = qwen_verify.draft_logits(written, case["export"], hidden[0], tokens, K, emb, head, pre_norm=pre)
+            refs = qwen_verify.draft_logits(written, config, hidden[0], tokens, K, emb, head, pre_norm=pre)
             result[key].append([(logits[k + 1][:, :ref.shape[1]] - ref).abs().max().item()
                                 for k, ref in enumerate(refs)])
     with open(args.out, "w") as f:
