@@ -181,6 +181,9 @@ def validate(cfg: Config) -> None:
             f"model.num_attention_heads={m.num_attention_heads}"
         )
     _validate_mla(cfg)
+    from bebop_megatron.config.hybrid import validate_hybrid
+
+    validate_hybrid(cfg)
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads and not m.multi_latent_attention:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="

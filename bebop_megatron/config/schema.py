@@ -102,6 +102,27 @@ class ModelConfig:
     """YaRN ``mscale``: cos/sin scaled by ``m(factor, mscale) / m(factor, mscale_all_dim)``."""
     yarn_mscale_all_dim: float = 0.0
     """YaRN ``mscale_all_dim``: the softmax scale is multiplied by ``m(factor, mscale_all_dim)**2``."""
+    layer_types: Optional[list[str]] = None
+    """Per backbone layer: ``full_attention`` or ``linear_attention`` (Gated DeltaNet; Qwen3-Next /
+    Qwen3.5 hybrids); None: every layer is full attention. The MTP layer is full attention."""
+    attention_output_gate: bool = False
+    """Gated attention (Qwen3-Next / Qwen3.5): the query projection also produces a per-head
+    gate, and the attention output is multiplied by its sigmoid before the output projection."""
+    zero_centered_norms: bool = False
+    """Every RMSNorm computes ``x * (1 + w)`` (Qwen3-Next / Qwen3.5, MTP norms included); the
+    Gated DeltaNet's gated norm follows it too (an import stores that norm's ``w - 1``)."""
+    linear_conv_kernel_dim: int = 4
+    """Gated DeltaNet: width of the causal depthwise convolution over q, k and v."""
+    linear_key_head_dim: int = 128
+    """Gated DeltaNet: width of each query/key head."""
+    linear_value_head_dim: int = 128
+    """Gated DeltaNet: width of each value head."""
+    linear_num_key_heads: int = 16
+    """Gated DeltaNet: query/key heads (divisible by ``parallel.tensor``)."""
+    linear_num_value_heads: int = 32
+    """Gated DeltaNet: value heads (a multiple of ``linear_num_key_heads``)."""
+    moe_shared_expert_gate: bool = False
+    """Multiply the shared expert's output by ``sigmoid(x @ w)`` (Qwen3-Next / Qwen3.5-MoE)."""
     transformer_impl: str = "auto"
     """``auto`` (Transformer Engine when importable on CUDA, else local), ``local`` or ``transformer_engine``."""
     freeze_backbone: bool = True
