@@ -151,6 +151,9 @@ def test_export_key_set_config_and_verify(batch, model, target, mtp_only):
     proc = results[_name(model, target, mtp_only)]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "verified:" in proc.stdout and "max_diff_mtp1" in proc.stdout, proc.stdout
+    # main's K-step verify: the imported mtp.num_steps (3) through the one reused layer, post-norm hand-off
+    assert "3 draft step(s) through 1 MTP layer(s), each handing the next the post-norm state" in proc.stdout
+    assert "max_diff_mtp3" in proc.stdout and "warning" not in proc.stdout, proc.stdout
     assert ("max_diff_backbone" in proc.stdout) == (not mtp_only)
     out = root / "out" / _name(model, target, mtp_only)
     written = _load(out)
@@ -172,6 +175,7 @@ def test_export_key_set_config_and_verify(batch, model, target, mtp_only):
         assert conf["mtp_num_hidden_layers"] == 1
     assert ("--speculative-use-rejection-sampling" if target == "sglang" else '"draft_sample_method": "probabilistic"') \
         in proc.stdout
+    assert ("--speculative-num-steps 3" if target == "sglang" else '"num_speculative_tokens": 3') in proc.stdout
 
 
 @pytest.mark.parametrize("model", list(EXPECTED))
