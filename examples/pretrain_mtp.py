@@ -1,6 +1,7 @@
 """Train MTP draft heads on a frozen backbone with Megatron-Core.
 
-    # the embedded default: a tiny random model on synthetic data, CPU, TP=2, ~50 steps
+    # the embedded default: a tiny model on synthetic data, CPU, TP=2, 50 steps; its backbone is
+    # fitted to the synthetic language first (once, cached in ~/.cache/bebop_megatron)
     torchrun --nproc_per_node 2 examples/pretrain_mtp.py
 
     # single process, any overrides
@@ -20,6 +21,9 @@ from bebop_megatron.cli import parse_config, run_cli
 EMBEDDED_DEFAULT = {
     "device": "cpu",
     "parallel": {"tensor": 2},
+    # A backbone with real structure: fitted to a synthetic language whose entropy varies by token.
+    "model": {"backbone_init": "fit_synthetic"},
+    "data": {"markov_branching": 32, "markov_min_branching": 2},
     "train": {"steps": 50, "micro_batch_size": 4, "global_batch_size": 8, "seq_length": 64, "lr": 1e-3},
     "save": {"dir": "checkpoints/tiny"},
 }

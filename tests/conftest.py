@@ -1,3 +1,29 @@
 """Shared fixtures: ``hf_dir``, a small local Hugging Face tokenizer (tests/helpers/data.py)."""
 
 from tests.helpers.data import hf_dir  # noqa: F401
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def synthetic_cache(tmp_path_factory):
+    """``(cache_dir, path)``: the tiny fitted synthetic backbone of ``tests/helpers/synthetic_fit.py``,
+    fitted once per session into its own cache (``BEBOP_MEGATRON_CACHE``, never the user's)."""
+    import os
+
+    from bebop_megatron.training import synthetic_backbone
+    from tests.helpers.synthetic_fit import tiny_config
+
+    cache = tmp_path_factory.mktemp("bebop_cache")
+    saved = os.environ.get("BEBOP_MEGATRON_CACHE")
+    os.environ["BEBOP_MEGATRON_CACHE"] = str(cache)
+    try:
+        cfg = tiny_config()
+        path = synthetic_backbone.resolve(cfg)
+        synthetic_backbone.run_fit(cfg, path, log=lambda line: None)
+    finally:
+        if saved is None:
+            os.environ.pop("BEBOP_MEGATRON_CACHE")
+        else:
+            os.environ["BEBOP_MEGATRON_CACHE"] = saved
+    return cache, path

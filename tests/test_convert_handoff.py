@@ -20,6 +20,9 @@ EXPECTED = {
     "mimo": ("post_norm", "post_norm", "vLLM's mimo draft hands the next step the post-norm state in every release"),
     "glm4_moe": ("post_norm", "post_norm", "pre_norm"),
     "deepseek": ("post_norm", "post_norm", "pre_norm"),
+    "qwen3_next": ("post_norm", "post_norm",
+                   "vLLM's qwen3_next draft hands the next step the post-norm state in every release"),
+    "qwen3_5": ("post_norm", "post_norm", "vLLM's qwen3_5 draft hands the next step the post-norm state in every release"),
 }
 
 
@@ -41,7 +44,7 @@ def test_engine_handoff_default_and_legacy(name):
 
 
 def test_a_format_without_engine_handoffs_is_post_norm():
-    class NewFormat:  # e.g. a Qwen3-Next format that declares nothing
+    class NewFormat:  # a format that declares nothing
         name = "new"
 
     assert engine_handoff(NewFormat, "vllm") == "post_norm" == engine_handoff(NewFormat, "sglang")

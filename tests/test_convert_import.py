@@ -2,7 +2,8 @@
 
 For each family a tiny random model is built with transformers' config classes and saved
 locally; ``tools/convert_from_hf.py`` converts it; the checkpoint is loaded at TP=1 and at a
-2-rank layout (TP=2 for dense families; EP=2 and TP=2 with SP for Qwen3-MoE and GLM-4.5) and its
+2-rank layout (TP=2 for dense families; EP=2 and TP=2 with SP for Qwen3-MoE, GLM-4.5, Qwen3.5-MoE and
+Qwen3-Next; TP=2 with SP for Qwen3.5) and its
 backbone logits compared with the transformers model's (relative 1e-4). Errors: unknown
 architecture, missing files, shape mismatch, a truncated safetensors file: exit status 2 and
 one ``error:`` line.
@@ -27,6 +28,11 @@ LAYOUTS = {
     "mimo": ["parallel.tensor=1", "parallel.tensor=2"],
     "qwen3_moe": ["parallel.tensor=1", "parallel.expert=2", "parallel.tensor=2,parallel.sequence_parallel=true"],
     "glm4_moe": ["parallel.tensor=1", "parallel.expert=2", "parallel.tensor=2,parallel.sequence_parallel=true"],
+    # Qwen3.5 / Qwen3-Next hybrids (one Gated DeltaNet and one gated-attention layer; tests/helpers/qwen_models.py)
+    "qwen3_5": ["parallel.tensor=1", "parallel.tensor=2,parallel.sequence_parallel=true"],
+    "qwen3_5_mm": ["parallel.tensor=1"],  # the multimodal release's names; layouts as qwen3_5
+    "qwen3_5_moe": ["parallel.tensor=1", "parallel.expert=2", "parallel.tensor=2,parallel.sequence_parallel=true"],
+    "qwen3_next": ["parallel.tensor=1", "parallel.expert=2", "parallel.tensor=2,parallel.sequence_parallel=true"],
 }
 
 
@@ -68,6 +74,7 @@ def test_import_logits_match_transformers(imported, family):
     assert load_tokenizer(cfg).encode(text) == source
     # The real vocabulary (masked beyond) and the rows that load at TP 1 and 2; K=3 steps by default.
     hf_config = json.loads((model_dir / "hf" / "config.json").read_text())
+    hf_config = hf_config.get("text_config", hf_config)  # Qwen3.5's multimodal layout
     assert cfg.model.vocab_size == hf_config["vocab_size"]
     assert cfg.model.padded_vocab_size % 256 == 0 and 0 <= cfg.model.padded_vocab_size - cfg.model.vocab_size < 256
     assert cfg.mtp.num_steps == 3 and cfg.mtp.num_layers == 1

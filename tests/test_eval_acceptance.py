@@ -26,17 +26,19 @@ from tests.helpers.launch import REPO, run_script
 TOOL = REPO / "tools" / "eval_acceptance.py"
 VALID = REPO / "examples" / "data" / "tiny_valid.jsonl"
 TOP_KEYS = {"checkpoint", "data", "num_rows", "num_positions", "num_steps", "gamma", "layout", "temperatures",
-            "reference_temperature", "per_temperature", "plots"}
+            "reference_temperature", "per_temperature", "speedup", "plots"}
 ENTRY_KEYS = {"alpha_rs", "alpha_to", "top1", "entropy_target", "entropy_draft", "kl", "count", "accept_len_rs",
               "accept_len_to", "empirical_accept_len_rs", "empirical_accept_len_to", "num_simulated_chains",
               "entropy_fit", "entropy_bins", "rs_win_fraction"}
 PLOTS = {"alpha_per_step", "accept_len_vs_gamma", "acceptance_vs_entropy", "accept_len_vs_temperature",
-         "rs_vs_to_boundary"}
+         "rs_vs_to_boundary", "speedup_vs_gamma"}
 
 
 def train_tiny_checkpoint(save_dir: Path) -> Path:
+    # A random backbone: these tests are about the report's wiring, and the fitted quick-start
+    # backbone is tested (at a tiny size) in tests/test_synthetic_backbone.py.
     run_script(str(REPO / "examples" / "pretrain_mtp.py"),
-               ["parallel.tensor=1", "train.steps=3", f"save.dir={save_dir}"], nproc=1)
+               ["parallel.tensor=1", "train.steps=3", f"save.dir={save_dir}", "model.backbone_init=random"], nproc=1)
     return save_dir
 
 
@@ -91,6 +93,21 @@ def test_report_writes_every_key_and_plot(checkpoint, tmp_path):
         for key in ("alpha_rs", "alpha_to", "entropy_target"):
             means = ((rows[tau][key].double() * chain).sum(-1) / chain.sum(-1)).tolist()
             assert means == pytest.approx(entry[key], rel=1e-5), key
+    # The speed-up model, measured here: (1 + E[L](g)) / (1 + g c_draft/c_target), the best g recommended.
+    speedup = report["speedup"]
+    costs = speedup["costs"]
+    assert costs["source"] == "measured" and costs["target_ms"] > 0 and costs["draft_ms"] >= 0
+    assert costs["draft_ratio"] == pytest.approx(costs["draft_ms"] / costs["target_ms"]) and costs["overhead"] == 0
+    assert "one sequence of 64 tokens" in costs["method"] and "no KV cache" in costs["method"]
+    assert speedup["max_gamma"] == 2 and "--gamma 3" in speedup["note"]
+    for tau, row in speedup["per_temperature"].items():
+        for which in ("rs", "to"):
+            e = report["per_temperature"][tau][f"accept_len_{which}"]
+            want = [(1 + e[g - 1]) / (1 + g * costs["draft_ratio"]) for g in (1, 2)]
+            assert row[f"speedup_{which}"] == pytest.approx(want, rel=1e-12)
+            best = max((0, 1.0), *((g, s) for g, s in zip((1, 2), want)), key=lambda gs: gs[1])
+            assert (row[f"best_gamma_{which}"], row[f"best_speedup_{which}"]) == (best[0], pytest.approx(best[1]))
+    assert "recommended gamma" in proc.stdout
     assert set(report["plots"]) == PLOTS
     for path in report["plots"].values():
         width, height = png_size(Path(path))

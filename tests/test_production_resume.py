@@ -187,8 +187,10 @@ def test_a_refused_resume_is_one_line_before_anything_is_built(ckpt):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "examples/pretrain_mtp.py", *TINY, f"save.dir={ckpt}", "model.num_layers=3",
-                           "train.steps=4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    # The quick start's embedded default fits a synthetic backbone: back to the schema's defaults.
+    schema = ["model.backbone_init=random", "data.markov_branching=4", "data.markov_min_branching=null"]
+    proc = subprocess.run([sys.executable, "examples/pretrain_mtp.py", *TINY, *schema, f"save.dir={ckpt}",
+                           "model.num_layers=3", "train.steps=4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "step " not in proc.stdout
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]

@@ -66,6 +66,25 @@ def test_packed_rows_tp2_sequence_parallel_equal_tp1(corpus, packed_tp1):
     assert rel(r["packed"]["loss_sum"], r["separate"]["loss_sum"]) < 1e-5
 
 
+QWEN_HYBRID = ["model.layer_types=[linear_attention,full_attention]", "model.attention_output_gate=true",
+               "model.zero_centered_norms=true", "model.qk_layernorm=true", "model.kv_channels=16",
+               "model.rotary_percent=0.25", "model.linear_key_head_dim=8", "model.linear_value_head_dim=8",
+               "model.linear_num_key_heads=2", "model.linear_num_value_heads=4"]
+
+
+def test_packed_rows_gated_deltanet_equal_documents_alone(corpus):
+    """Qwen3-Next / Qwen3.5 hybrid: the Gated DeltaNet restarts its convolution and recurrent
+    state at every packed document (model/hybrid.py), so each document gets the loss it gets
+    alone; without the per-document mask (state and attention cross documents) it does not."""
+    r = packed_case(corpus[0], 1, QWEN_HYBRID)
+    packed, separate, unmasked = r["packed"], r["separate"], r["unmasked"]
+    assert r["documents"] >= 4 and packed["count"] == separate["count"]
+    assert rel(packed["loss_sum"], separate["loss_sum"]) < 1e-6
+    for a, b in zip(packed["alpha_rs"], separate["alpha_rs"]):
+        assert rel(a, b) < 1e-5
+    assert rel(unmasked["loss_sum"], separate["loss_sum"]) > 100 * max(rel(packed["loss_sum"], separate["loss_sum"]), 1e-7)
+
+
 def run_cli(args, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "examples/pretrain_mtp.py", "parallel.tensor=1", "save.dir=null", *args],

@@ -3,9 +3,11 @@
     python tools/convert_from_hf.py --hf-dir HF_MODEL_DIR --out checkpoints/backbone \
         [--mtp-num-steps K] [--mtp-init random|copy_last_layer] [--max-tensor-parallel 8]
 
-Families: Llama, Qwen2, Qwen3 (dense), Qwen3-MoE, MiMo, GLM-4.5-style MoE and DeepSeek-V3
-(Multi-Latent Attention, plain RoPE or YaRN; MiMo's, GLM's and DeepSeek's MTP layers are
-imported).
+Families: Llama, Qwen2, Qwen3 (dense), Qwen3-MoE, MiMo, GLM-4.5-style MoE, DeepSeek-V3
+(Multi-Latent Attention, plain RoPE or YaRN), Qwen3-Next and Qwen3.5 dense / MoE (Gated
+DeltaNet hybrids; ``Qwen3_5ForCausalLM`` or the multimodal ``Qwen3_5ForConditionalGeneration``,
+whose vision tower is kept in ``OUT/hf/vision.safetensors``). MiMo's, GLM's, DeepSeek's and
+Qwen's (``mtp.*``) MTP layers are imported.
 The checkpoint loads at any TP/PP/EP layout (TP must divide --max-tensor-parallel, which
 sets the vocabulary padding); train with ``model.backbone_checkpoint=OUT`` plus the
 ``model``/``mtp`` sections written to ``OUT/bebop_model.yaml``. The tokenizer and source

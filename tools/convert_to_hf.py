@@ -10,8 +10,10 @@ SGLang loads for MTP speculative decoding.
     python tools/convert_to_hf.py --checkpoint checkpoints/run --backbone checkpoints/dsv3 \
         --format deepseek --target sglang --mtp-only --out export/dsv3_nextn
 
-``--format``: ``mimo`` (MiMo), ``glm4_moe`` (GLM-4.5 NextN) or ``deepseek`` (DeepSeek-V3
-NextN: vLLM's DeepSeekMTP, SGLang's DeepseekV3ForCausalLMNextN).
+``--format``: ``mimo`` (MiMo), ``glm4_moe`` (GLM-4.5 NextN), ``deepseek`` (DeepSeek-V3
+NextN: vLLM's DeepSeekMTP, SGLang's DeepseekV3ForCausalLMNextN), ``qwen3_next`` (Qwen3-Next)
+or ``qwen3_5`` (Qwen3.5 dense and MoE): top-level ``mtp.fc`` / ``mtp.pre_fc_norm_*`` /
+``mtp.layers.0.*`` / ``mtp.norm`` as both engines' ``qwen3_next_mtp.py`` / ``qwen3_5_mtp.py`` load them.
 
 ``--checkpoint`` is a training checkpoint (``save.dir`` or one ``iter_N``; MTP weights only,
 so ``--backbone`` names the model.backbone_checkpoint) or a full model checkpoint (e.g. from
@@ -43,7 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the training run's backbone was moved or copied to --backbone: check its fingerprint only, "
                         "not its path")
     p.add_argument("--hf-dir", default=None, help="source HF config.json + tokenizer (default: BACKBONE/hf)")
-    p.add_argument("--format", required=True, help="mimo | glm4_moe | deepseek (DeepSeek-V3)")
+    p.add_argument("--format", required=True,
+                   help="mimo | glm4_moe | deepseek (DeepSeek-V3) | qwen3_next | qwen3_5 (dense and MoE)")
     p.add_argument("--target", required=True, help="vllm | sglang (current releases: both hand draft step k+1 the "
                    "MTP output after its final norm, as mtp.next_step_input=post_norm trains)")
     p.add_argument("--vllm-handoff", default=None, metavar="post_norm|pre_norm",

@@ -13,6 +13,19 @@ position then averaged (Eq. 12), analytic and from simulated chains
 entropy (binned, with fitted lines: Fig. 1a / Fig. 8), against temperature (Fig. 12a) and
 the RS-vs-target-only boundary d_TV < 1 - p(argmax q) (Fig. 13).
 
+Speed-up (:mod:`bebop_megatron.metrics.speedup`): per temperature and gamma,
+(1 + E[L](gamma)) / (1 + gamma * c_draft / c_target + overhead), and the recommended gamma
+(the best one; 0 when plain decoding is faster). The costs are measured on this machine with
+the checkpoint's model (medians of ``--cost-repeats`` timed forwards after warm-up, one
+sequence of ``--cost-context`` tokens, full prefix recomputed: no KV cache; on CPU one
+thread's CPU time, so that other load on a shared machine does not count), or given for your
+GPU: ``--cost-target-ms`` and ``--cost-draft-ms`` (one target verification forward, one MTP
+step) with ``--cost-overhead-ms``, or ``--cost-ratio`` (c_draft / c_target) alone. Gamma
+stops at the checkpoint's ``mtp.num_steps`` measured draft positions (no extrapolation).
+
+``--data synthetic`` evaluates a run trained on the built-in synthetic data on held-out
+samples of the same language (``--synthetic-samples`` of them, after the training samples).
+
 ``--checkpoint`` is a training run's ``save.dir`` (its ``latest`` checkpoint is used) or
 one ``iter_N`` directory; the run's config is read from it, and the backbone comes from its
 ``model.backbone_checkpoint`` / ``model.init_checkpoint`` (or, for a random backbone, the
@@ -32,6 +45,7 @@ import sys
 import warnings
 
 DEFAULT_TEMPERATURES = (1.0,)
+SYNTHETIC = "synthetic"  # --data synthetic: held-out samples of the run's synthetic language
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
                         help="training save.dir (uses its latest checkpoint) or one iter_N checkpoint directory")
     parser.add_argument("--data", nargs="+", required=True, metavar="FILE",
-                        help="held-out data: JSONL files (or indexed datasets), as data.valid_files")
+                        help="held-out data: JSONL files (or indexed datasets), as data.valid_files; or 'synthetic' "
+                             "for a run trained on the synthetic language")
     parser.add_argument("--temperatures", nargs="+", type=float, default=list(DEFAULT_TEMPERATURES),
                         help="sampling temperatures; both logits are divided by T (default: 1.0)")
     parser.add_argument("--gamma", type=int, default=None,
@@ -64,7 +79,29 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also save the per-position alpha_RS, alpha_TO, H(p) and chain mask ([K, N] per "
                              "temperature, torch.save) for bootstrap intervals over positions")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--synthetic-samples", type=int, default=256,
+                        help="with --data synthetic: held-out samples of the run's synthetic language (default 256)")
+    cost = parser.add_argument_group("speed-up cost model (default: measured here with the checkpoint's model)")
+    cost.add_argument("--cost-target-ms", type=float, default=None, help="one target verification forward (ms)")
+    cost.add_argument("--cost-draft-ms", type=float, default=None, help="one MTP draft step (ms)")
+    cost.add_argument("--cost-overhead-ms", type=float, default=0.0,
+                      help="other per-iteration time: sampling, acceptance, scheduling (ms; default 0)")
+    cost.add_argument("--cost-ratio", type=float, default=None, help="c_draft / c_target instead of times")
+    cost.add_argument("--cost-context", type=int, default=None,
+                      help="measured: context tokens of the timed sequence (default: the run's train.seq_length)")
+    cost.add_argument("--cost-repeats", type=int, default=5,
+                      help="measured: timed repeats, after 2 warm-up ones (medians; default 5)")
+    cost.add_argument("--no-speedup", action="store_true", help="no cost model (no timing)")
     args = parser.parse_args(argv)
+    if (args.cost_target_ms is None) != (args.cost_draft_ms is None):
+        parser.error("--cost-target-ms and --cost-draft-ms go together")
+    if args.cost_ratio is not None and args.cost_target_ms is not None:
+        parser.error("give either --cost-ratio or --cost-target-ms/--cost-draft-ms, not both")
+    if args.cost_ratio is not None and args.cost_overhead_ms:
+        parser.error("--cost-overhead-ms needs --cost-target-ms (the overhead is a fraction of c_target)")
+    for name in ("cost_repeats", "synthetic_samples"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if any(not t > 0 for t in args.temperatures):
         parser.error(f"--temperatures must all be > 0, got {args.temperatures}")
     for name in ("tensor_parallel", "micro_batch_size", "chunk_positions", "sim_trials"):
@@ -131,11 +168,49 @@ def eval_config(ckpt_path: str, args, world: int, device: str):
         "parallel.pipeline_layout=null", "parallel.context=1", "parallel.sequence_parallel=false",
         "parallel.expert=1", "parallel.expert_tensor=null",
         f"train.micro_batch_size={args.micro_batch_size}", f"train.global_batch_size={args.micro_batch_size * dp}",
-        "data.valid_files=[" + ",".join(json.dumps(p) for p in args.data) + "]",
     ]
+    if is_synthetic(args):
+        if saved.get("data", {}).get("train_files"):
+            raise ValueError("--data synthetic: the checkpoint was trained on data files, not on the synthetic "
+                             "language; pass held-out files of that data")
+    else:
+        overrides.append("data.valid_files=[" + ",".join(json.dumps(p) for p in args.data) + "]")
     if saved.get("precision") == "fp8":
         overrides.append("precision=bf16")  # the weights are bf16; acceptance needs no FP8 GEMMs
     return load_config(None, overrides, defaults=saved)
+
+
+def is_synthetic(args) -> bool:
+    return list(args.data) == [SYNTHETIC]
+
+
+def held_out_dataset(cfg, args, progress: bool):
+    """The held-out rows: ``--data`` files, or samples of the run's synthetic language."""
+    from bebop_megatron.data.builder import build_synthetic_held_out, build_valid_dataset
+
+    if is_synthetic(args):
+        return build_synthetic_held_out(cfg, args.synthetic_samples)
+    return build_valid_dataset(cfg, progress=progress)
+
+
+def cost_model(args, cfg, model, gamma: int, device: str):
+    """The speed-up model's costs: given by the flags, or measured here (every rank takes part:
+    the tensor-parallel forwards are collective)."""
+    import torch.distributed as dist
+
+    from bebop_megatron.metrics.speedup import Costs, measure_costs
+
+    if args.cost_target_ms is not None:
+        return Costs.from_times(args.cost_target_ms, args.cost_draft_ms, args.cost_overhead_ms, source="given",
+                                method="given with --cost-target-ms / --cost-draft-ms / --cost-overhead-ms")
+    if args.cost_ratio is not None:
+        return Costs.from_ratio(args.cost_ratio, method="given with --cost-ratio")
+    costs = measure_costs(model, context=args.cost_context or cfg.train.seq_length, gamma=gamma,
+                          repeats=args.cost_repeats, warmup=2, device=device, vocab_size=cfg.model.vocab_size,
+                          barrier=dist.barrier if dist.get_world_size() > 1 else None)
+    if args.cost_overhead_ms:
+        costs = Costs.from_times(costs.target_ms, costs.draft_ms, args.cost_overhead_ms, "measured", costs.method)
+    return costs
 
 
 def load_model(cfg, ckpt_path: str, device: str):
@@ -223,8 +298,10 @@ def evaluate(args) -> dict | None:
     from megatron.core import parallel_state
     from tqdm import tqdm
 
-    from bebop_megatron.data import build_valid_dataset, eval_batches
+    from bebop_megatron.data import eval_batches
     from bebop_megatron.metrics.plots import write_all
+    from bebop_megatron.metrics.speedup import speedup_table
+    from bebop_megatron.training import synthetic_backbone
     from bebop_megatron.metrics.report import AcceptanceReport
     from bebop_megatron.platform import init_distributed, resolve_device
     from bebop_megatron.training.parallel import setup_parallel
@@ -239,9 +316,10 @@ def evaluate(args) -> dict | None:
     if not 1 <= gamma <= K:
         raise ValueError(f"--gamma must be in 1..{K} (the checkpoint's mtp.num_steps), got {gamma}")
     setup_parallel(cfg, world)
-    dataset = build_valid_dataset(cfg, progress=not args.no_progress and rank == 0)
+    dataset = held_out_dataset(cfg, args, progress=not args.no_progress and rank == 0)
     if dataset is None or len(dataset) == 0:
         raise ValueError(f"no held-out rows in {args.data}")
+    synthetic_backbone.prepare(cfg, rank)  # a fitted synthetic backbone missing from the cache is rebuilt
     model = load_model(cfg, ckpt_path, device)
     comm = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
@@ -265,14 +343,16 @@ def evaluate(args) -> dict | None:
                                                generator=generator, device=comm, vocab_size=cfg.model.vocab_size)
     report.reduce(dp_group)
     positions = report.position_rows(dp_group) if args.positions_out else None
+    costs = None if args.no_speedup else cost_model(args, cfg, model, gamma, comm)
     if rank != 0:
         return None
     if positions is not None:
         os.makedirs(os.path.dirname(os.path.abspath(args.positions_out)), exist_ok=True)
         torch.save(positions, args.positions_out)
     per_t = report.summary()
+    speedup = None if costs is None else speedup_table(per_t, costs, num_positions=K)
     ref = min(args.temperatures, key=lambda t: abs(t - 1.0))
-    plots = write_all(per_t, report.scatter[args.temperatures.index(ref)], f"{ref:g}", args.out_dir)
+    plots = write_all(per_t, report.scatter[args.temperatures.index(ref)], f"{ref:g}", args.out_dir, speedup=speedup)
     result = {
         "checkpoint": ckpt_path,
         "data": list(args.data),
@@ -284,6 +364,7 @@ def evaluate(args) -> dict | None:
         "temperatures": [float(t) for t in args.temperatures],
         "reference_temperature": ref,
         "per_temperature": per_t,
+        "speedup": speedup,
         "plots": plots,
     }
     with open(os.path.join(args.out_dir, "report.json"), "w") as f:
@@ -299,6 +380,17 @@ def print_summary(result: dict) -> None:
         print(f"T={tau}: alpha_RS [{rs}] alpha_TO [{to}] | E[L]({result['gamma']}) RS {e['accept_len_rs'][-1]:.3f} "
               f"(simulated {'n/a' if sim is None else f'{sim:.3f}'}) TO {e['accept_len_to'][-1]:.3f} | "
               f"entropy slope RS {_fmt(e['entropy_fit']['rs']['slope'])} TO {_fmt(e['entropy_fit']['to']['slope'])}")
+    speedup = result.get("speedup")
+    if speedup:
+        c = speedup["costs"]
+        times = (f"c_target {c['target_ms']:.3f} ms, c_draft {c['draft_ms']:.3f} ms, " if c["target_ms"] else "")
+        print(f"speed-up model ({c['source']}): {times}c_draft/c_target {c['draft_ratio']:.3f}, overhead "
+              f"{c['overhead']:.3f}; {speedup['note']}")
+        for tau, row in speedup["per_temperature"].items():
+            rs = " ".join(f"{g}:{s:.2f}" for g, s in zip(row["gamma"], row["speedup_rs"]))
+            print(f"T={tau}: speed-up RS by gamma [{rs}] -> recommended gamma {row['best_gamma_rs']} "
+                  f"({row['best_speedup_rs']:.2f}x; target-only best {row['best_gamma_to']}: "
+                  f"{row['best_speedup_to']:.2f}x)")
     print(f"wrote {os.path.join(os.path.dirname(result['plots']['alpha_per_step']), 'report.json')} and "
           f"{len(result['plots'])} plots")
 
@@ -312,7 +404,8 @@ def main(argv=None) -> dict | None:
     resolve_checkpoint(args.checkpoint)  # a wrong path fails in a second, before the library import
     from bebop_megatron.config.sources import parse_sources
 
-    parse_sources(args.data, "--data")  # named as given here, not as the config field it becomes
+    if not is_synthetic(args):
+        parse_sources(args.data, "--data")  # named as given here, not as the config field it becomes
     result = evaluate(args)
     if result is not None:
         print_summary(result)

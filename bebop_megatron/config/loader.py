@@ -166,6 +166,7 @@ def validate(cfg: Config) -> None:
     _positive(mtp.num_steps, "mtp.num_steps")
     validate_sizes(cfg)
     _choice(mtp.next_step_input, "mtp.next_step_input", ("pre_norm", "post_norm"))
+    _choice(m.backbone_init, "model.backbone_init", ("random", "fit_synthetic"))
     _choice(mtp.init, "mtp.init", ("auto", "random", "copy_last_layer", "identity"))
     if mtp.num_layers not in (1, mtp.num_steps):
         raise ConfigError(
@@ -180,6 +181,9 @@ def validate(cfg: Config) -> None:
             f"model.num_attention_heads={m.num_attention_heads}"
         )
     _validate_mla(cfg)
+    from bebop_megatron.config.hybrid import validate_hybrid
+
+    validate_hybrid(cfg)
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads and not m.multi_latent_attention:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="

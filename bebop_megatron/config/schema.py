@@ -102,13 +102,42 @@ class ModelConfig:
     """YaRN ``mscale``: cos/sin scaled by ``m(factor, mscale) / m(factor, mscale_all_dim)``."""
     yarn_mscale_all_dim: float = 0.0
     """YaRN ``mscale_all_dim``: the softmax scale is multiplied by ``m(factor, mscale_all_dim)**2``."""
+    layer_types: Optional[list[str]] = None
+    """Per backbone layer: ``full_attention`` or ``linear_attention`` (Gated DeltaNet; Qwen3-Next /
+    Qwen3.5 hybrids); None: every layer is full attention. The MTP layer is full attention."""
+    attention_output_gate: bool = False
+    """Gated attention (Qwen3-Next / Qwen3.5): the query projection also produces a per-head
+    gate, and the attention output is multiplied by its sigmoid before the output projection."""
+    zero_centered_norms: bool = False
+    """Every RMSNorm computes ``x * (1 + w)`` (Qwen3-Next / Qwen3.5, MTP norms included); the
+    Gated DeltaNet's gated norm follows it too (an import stores that norm's ``w - 1``)."""
+    linear_conv_kernel_dim: int = 4
+    """Gated DeltaNet: width of the causal depthwise convolution over q, k and v."""
+    linear_key_head_dim: int = 128
+    """Gated DeltaNet: width of each query/key head."""
+    linear_value_head_dim: int = 128
+    """Gated DeltaNet: width of each value head."""
+    linear_num_key_heads: int = 16
+    """Gated DeltaNet: query/key heads (divisible by ``parallel.tensor``)."""
+    linear_num_value_heads: int = 32
+    """Gated DeltaNet: value heads (a multiple of ``linear_num_key_heads``)."""
+    moe_shared_expert_gate: bool = False
+    """Multiply the shared expert's output by ``sigmoid(x @ w)`` (Qwen3-Next / Qwen3.5-MoE)."""
     transformer_impl: str = "auto"
     """``auto`` (Transformer Engine when importable on CUDA, else local), ``local`` or ``transformer_engine``."""
     freeze_backbone: bool = True
     """Freeze embedding, decoder, final norm and output layer (the method). ``false`` trains
     the whole model on the same loss; only for comparisons (benchmarks, memory tests)."""
     backbone_checkpoint: Optional[str] = None
-    """Megatron distributed checkpoint of the backbone (any parallel layout); None = random init."""
+    """Megatron distributed checkpoint of the backbone (any parallel layout); None = random init
+    (or, with ``backbone_init=fit_synthetic``, the fitted synthetic backbone)."""
+    backbone_init: str = "random"
+    """The backbone without a checkpoint: ``random`` (Megatron's seeded init: p is almost uniform)
+    or ``fit_synthetic`` (the quick start's default): on synthetic data (no ``data.train_files``)
+    the backbone is first fitted to the synthetic language, once, and cached under
+    ``$BEBOP_MEGATRON_CACHE`` or ``~/.cache/bebop_megatron`` keyed by the model and data config
+    (``bebop_megatron/training/synthetic_backbone.py``); the run then uses it as
+    ``backbone_checkpoint``. Ignored with data files or a checkpoint."""
     init_checkpoint: Optional[str] = None
     """Megatron distributed checkpoint holding backbone *and* MTP weights to start from
     (e.g. one written by ``save_model_checkpoint`` or an imported MiMo/GLM model)."""
@@ -209,6 +238,11 @@ class DataConfig:
     """Synthetic dataset size (samples of ``train.seq_length + 1`` tokens)."""
     markov_branching: int = 4
     """Synthetic data: successors per token in the generating Markov chain (lower = easier)."""
+    markov_min_branching: Optional[int] = None
+    """Synthetic data: when set, each token's number of successors is drawn log-uniformly from
+    ``markov_min_branching .. markov_branching``, so the next-token entropy varies by token (as on
+    real text); None: every token has ``markov_branching``. Values of 1 can create absorbing
+    deterministic cycles: use >= 2."""
     seed: int = 1234
     """Synthetic data generation and the shuffle of real data (a new permutation per epoch)."""
 
@@ -239,7 +273,7 @@ class TrainConfig:
     that defines the model, the backbone or the data is refused (``model.*`` and ``mtp.*``
     except ``model.transformer_impl`` and ``mtp.init``; ``precision`` except bf16<->fp8;
     ``train.seq_length``; ``data.train_files/tokenizer/train_on/pack/overlong/num_samples/
-    markov_branching/seed``; ``train.seed`` with a random backbone; see
+    markov_branching/markov_min_branching/seed``; ``train.seed`` with a random backbone; see
     ``bebop_megatron/training/resume.py``). Other changes are listed in one line; a new LR
     schedule (``train.lr/min_lr/lr_schedule/warmup_fraction/weight_decay/steps``) applies from
     the resumed step on. ``none``: start at step 0; refused if ``save.dir`` already holds

@@ -55,3 +55,7 @@ def validate_sizes(cfg: Config) -> None:
         if not math.isfinite(getattr(t, name)):
             raise ConfigError(f"train.{name}={getattr(t, name)!r} must be a finite number")
     _at_least(cfg.data.markov_branching, "data.markov_branching", 1)
+    _at_least(cfg.data.markov_min_branching, "data.markov_min_branching", 1, optional=True)
+    if cfg.data.markov_min_branching is not None and cfg.data.markov_min_branching > cfg.data.markov_branching:
+        raise ConfigError(f"data.markov_min_branching={cfg.data.markov_min_branching} must be <= "
+                          f"data.markov_branching={cfg.data.markov_branching}")

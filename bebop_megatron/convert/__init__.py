@@ -2,8 +2,11 @@
 
 - ``hf_config``: which HF architectures are supported and the model config they map to.
 - ``layers``: the decoder-layer key map (fused QKV and gate/up split and joined; MLA one to one).
-- ``formats``: one explicit MTP key map per export format (``mimo``, ``glm4_moe``, ``deepseek``).
-- ``importer`` / ``exporter``: the two directions; ``verify``: the independent MTP forward.
+- ``formats``: one explicit MTP key map per export format (``mimo``, ``glm4_moe``, ``deepseek``;
+  ``qwen3_next`` / ``qwen3_5`` in ``qwen3_next.py`` / ``qwen3_5.py``, hybrid configs in ``qwen_config.py``).
+- ``handoff``: what draft step k hands step k+1 in training and in each engine (``engine_handoffs``).
+- ``importer`` / ``exporter``: the two directions; ``verify``: the independent K-step MTP forward
+  (``qwen_verify``: the Qwen3-Next / Qwen3.5 reference, registered there).
 
 Conversions run in one process at TP=1: Megatron's distributed checkpointing reshards the
 written checkpoint to any TP/PP/EP layout on load, and reads any layout back at TP=1.

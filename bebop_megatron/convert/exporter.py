@@ -1,5 +1,6 @@
 """Megatron checkpoint (any layout) -> Hugging Face directory for vLLM / SGLang
-(``tools/convert_to_hf.py``); formats ``mimo``, ``glm4_moe`` and ``deepseek`` (DeepSeek-V3).
+(``tools/convert_to_hf.py``); formats ``mimo``, ``glm4_moe``, ``deepseek`` (DeepSeek-V3),
+``qwen3_next`` and ``qwen3_5``.
 
 Full export: backbone and MTP layers in the format's names, ``config.json`` with the MTP
 field set, sharded safetensors with an index, tokenizer files. ``--mtp-only``: the draft
@@ -20,6 +21,8 @@ from bebop_megatron.convert import handoff as handoff_mod, megatron_io, verify a
 from bebop_megatron.convert.backbone_check import check_backbone
 from bebop_megatron.convert.errors import ConvertError
 from bebop_megatron.convert.formats import TARGETS, Glm4Moe, MiMo, get_format
+from bebop_megatron.convert.qwen3_5 import vision_tensors
+from bebop_megatron.convert.qwen3_next import Qwen3Next
 from bebop_megatron.convert.hf_config import describe, model_overrides, read_config
 from bebop_megatron.convert.hf_io import copy_tokenizer, read_all, write_json, write_sharded
 from bebop_megatron.convert.layers import layer_to_hf
@@ -31,17 +34,19 @@ def export_tensors(sd: dict, hf, fmt, num_mtp: int, target: str, mtp_only: bool)
     emb = sd["embedding.word_embeddings.weight"][:V]
     head = sd["output_layer.weight"][:V] if "output_layer.weight" in sd else emb
     sglang_nextn = issubclass(fmt, Glm4Moe) and target == "sglang" and mtp_only  # embedding/head from the target
+    qwen = issubclass(fmt, Qwen3Next)
+    p = fmt.backbone_prefix(hf.config) if qwen else "model."  # Qwen3.5 multimodal: model.language_model.
     out: dict[str, torch.Tensor] = {}
-    if not sglang_nextn and (fmt is MiMo or not mtp_only):
-        out["model.embed_tokens.weight"] = emb
-    if fmt is MiMo:  # vLLM's MiMoMTP checks lm_head.weight was loaded, even for a tied model
+    if not sglang_nextn and (fmt is MiMo or qwen or not mtp_only):
+        out[f"{p}embed_tokens.weight"] = emb
+    if fmt is MiMo or (qwen and fmt.writes_head(hf.config)):  # vLLM's drafts check lm_head.weight was loaded
         out["lm_head.weight"] = head
     if not mtp_only:
         if not hf.tie_embeddings:
             out["lm_head.weight"] = head
-        out["model.norm.weight"] = sd["decoder.final_layernorm.weight"]
+        out[f"{p}norm.weight"] = sd["decoder.final_layernorm.weight"]
         for i in range(hf.num_layers):
-            out.update(layer_to_hf(sd, f"decoder.layers.{i}.", f"model.layers.{i}.", hf.layer_at(i),
+            out.update(layer_to_hf(sd, f"decoder.layers.{i}.", f"{p}layers.{i}.", hf.layer_at(i),
                                    qkv_bias=fmt.backbone_qkv_bias))
     for i in range(num_mtp):
         extra = {"sglang_nextn": True} if sglang_nextn else {}
@@ -52,11 +57,13 @@ def export_tensors(sd: dict, hf, fmt, num_mtp: int, target: str, mtp_only: bool)
 def expected_shapes(fmt, config: dict, num_mtp: int, target: str, mtp_only: bool) -> dict[str, tuple]:
     """Names and shapes the engine's loader reads, from the written config alone."""
     out = {}
-    V, H = config["vocab_size"], config["hidden_size"]
+    V, H = (config["vocab_size"], config["hidden_size"]) if "vocab_size" in config else (0, 0)
     if not mtp_only:
         out.update(fmt.expected_backbone_shapes(config))
     elif fmt is MiMo:
         out.update({"model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H)})
+    elif issubclass(fmt, Qwen3Next):
+        out.update(fmt.expected_shared_shapes(config))
     for i in range(num_mtp):
         out.update(fmt.expected_mtp_shapes(config, i, target, mtp_only))
     return out
@@ -124,6 +131,9 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     hf = describe(read_config(_hf_dir(hf_dir, [backbone, checkpoint, bb])))
     fmt.check(hf.layer, hf.family, num_mtp, target, mtp_only)
     config = fmt.hf_config(hf.config, num_mtp, target, mtp_only)
+    vision = {}  # Qwen3.5's multimodal layout: the vision tower, passed through unchanged (full export)
+    if issubclass(fmt, Qwen3Next) and not mtp_only:
+        vision = vision_tensors(hf_dir or _hf_dir(None, [backbone, checkpoint, bb]), config)
     rows = bb_shapes["embedding.word_embeddings.weight"][0]
     if rows < hf.vocab_size:
         raise ConvertError(f"checkpoint vocabulary {rows} < config.json vocab_size {hf.vocab_size}")
@@ -140,6 +150,8 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     megatron_io.load(ckpt, model, is_mtp_param)
     tensors = export_tensors(megatron_io.weights(model), hf, fmt, num_mtp, target, mtp_only)
     expected = expected_shapes(fmt, config, num_mtp, target, mtp_only)
+    tensors.update(vision)
+    expected.update({k: tuple(v.shape) for k, v in vision.items()})
     verify_mod.check_keys(tensors, expected)  # before anything is written
 
     _prepare_out(out_dir, [checkpoint, ckpt, bb, backbone, hf_dir])

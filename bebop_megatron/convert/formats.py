@@ -12,6 +12,8 @@ import torch
 from bebop_megatron.convert.errors import ConvertError
 from bebop_megatron.convert.hf_config import LayerShape
 from bebop_megatron.convert.layers import layer_to_hf, layer_to_megatron
+from bebop_megatron.convert.qwen3_5 import Qwen3_5
+from bebop_megatron.convert.qwen3_next import Qwen3Next
 
 TARGETS = ("vllm", "sglang")
 
@@ -336,9 +338,10 @@ def _serve_nextn(out: str, target: str, mtp_only: bool, target_model: str, num_s
             f"--speculative-num-draft-tokens {num_steps + 1} --speculative-use-rejection-sampling")
 
 
-FORMATS = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek": DeepSeek}
+FORMATS = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek": DeepSeek, "qwen3_next": Qwen3Next, "qwen3_5": Qwen3_5}
 # The format whose names an HF checkpoint of a family stores its MTP layers in (import).
-IMPORT_FORMAT = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek_v3": DeepSeek}
+IMPORT_FORMAT = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek_v3": DeepSeek, "qwen3_next": Qwen3Next,
+                 "qwen3_5": Qwen3_5, "qwen3_5_moe": Qwen3_5}
 # Formats named in the issue but not implemented yet: refused with this reason.
 PLANNED: dict[str, str] = {}
 

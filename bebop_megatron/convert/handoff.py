@@ -21,7 +21,7 @@ from bebop_megatron.convert.errors import ConvertError
 
 HANDOFFS = ("post_norm", "pre_norm")
 VLLM_LEGACY = "vLLM releases before PR #45895 (merged 2026-06-19)"
-# A format without ``engine_handoffs`` runs post-norm in both engines (Qwen3-Next/3.5, MiMo).
+# A format without ``engine_handoffs`` runs post-norm in both engines (every format here declares its own).
 DEFAULT_ENGINE_HANDOFFS = {"vllm": ("post_norm",), "sglang": ("post_norm",)}
 
 

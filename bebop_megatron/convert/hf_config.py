@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from bebop_megatron.convert import qwen_config
 from bebop_megatron.convert.errors import ConvertError
 
 # HF ``architectures[0]`` -> family name used by the key maps.
@@ -19,6 +20,7 @@ ARCHITECTURES = {
     "MiMoForCausalLM": "mimo",
     "Glm4MoeForCausalLM": "glm4_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    **qwen_config.ARCHITECTURES,
 }
 # Named in the issue but not implemented yet: refused with this reason.
 NOT_YET: dict[str, str] = {}
@@ -49,6 +51,15 @@ class LayerShape:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Qwen3-Next / Qwen3.5 (see convert/qwen_hybrid.py)
+    output_gate: bool = False  # gated attention: q_proj also produces the output gate
+    shared_expert_gate: bool = False  # Qwen names: mlp.shared_expert.* and mlp.shared_expert_gate
+    linear: bool = False  # this layer's mixer is a Gated DeltaNet (linear_attn.*)
+    gdn_grouped: bool = False  # Qwen3-Next's in_proj_qkvz / in_proj_ba (else Qwen3.5's four projections)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
 
     @property
     def mla(self) -> bool:
@@ -68,11 +79,17 @@ class HFModel:
     tie_embeddings: bool
     dtype: torch.dtype
     first_dense_layers: int = 0  # leading layers with a dense MLP in an MoE model
+    layer_types: list | None = None  # Qwen3-Next / Qwen3.5: per layer full_attention | linear_attention
+    prefix: str = "model."  # the backbone's names (Qwen3.5 multimodal: model.language_model.)
+    text: dict | None = None  # the language model's config (Qwen3.5 multimodal: text_config)
 
     def layer_at(self, i: int) -> LayerShape:
-        """The shape of decoder layer ``i`` (MTP layers: ``i >= num_layers``, MoE as GLM's)."""
+        """The shape of decoder layer ``i`` (MTP layers: ``i >= num_layers``, MoE as GLM's,
+        full attention in Qwen3-Next / Qwen3.5)."""
         if self.layer.num_experts and i < self.first_dense_layers:
             return replace(self.layer, num_experts=0, shared_ffn_hidden_size=0, expert_bias=False)
+        if self.layer_types and i < self.num_layers and self.layer_types[i] == "linear_attention":
+            return replace(self.layer, linear=True)
         return self.layer
 
 
@@ -157,8 +174,11 @@ def describe(cfg: dict) -> HFModel:
             f"unknown architecture {arch!r} in config.json (supported: {', '.join(sorted(ARCHITECTURES))})"
         )
     family = ARCHITECTURES[arch]
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
+    full_cfg = cfg
+    cfg, prefix = qwen_config.text_config(cfg) if family in qwen_config.QWEN_HYBRID else (cfg, "model.")
+    if cfg.get("quantization_config") or full_cfg.get("quantization_config"):
+        q = cfg.get("quantization_config") or full_cfg["quantization_config"]
+        method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
         raise ConvertError(f"quantized checkpoint (quantization_config, {method}) is not supported: convert the "
                            "weights to bf16 first (e.g. DeepSeek's FP8 release)")
     if cfg.get("hidden_act", "silu") != "silu":
@@ -179,8 +199,10 @@ def describe(cfg: dict) -> HFModel:
             raise ConvertError(f"DeepSeek-V3 with scoring_func={cfg.get('scoring_func')!r} / topk_method="
                                f"{cfg.get('topk_method')!r} is not supported (only sigmoid / noaux_tc)")
         _yarn(cfg)  # refuse unsupported YaRN parameters early
-    if family != "glm4_moe" and _rope(cfg)[1] != 1.0:
-        raise ConvertError("partial_rotary_factor != 1 is only supported for GLM-4.5")
+    if family in qwen_config.QWEN_HYBRID:
+        qwen_config.check(family, cfg)
+    elif family != "glm4_moe" and _rope(cfg)[1] != 1.0:
+        raise ConvertError("partial_rotary_factor != 1 is only supported for GLM-4.5 and Qwen3-Next / Qwen3.5")
     heads = cfg["num_attention_heads"]
     num_experts = 0
     moe_ffn = 0
@@ -206,7 +228,7 @@ def describe(cfg: dict) -> HFModel:
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        ffn_hidden_size=cfg["intermediate_size"],
+        ffn_hidden_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
         qkv_bias=family in ("qwen2", "mimo") or (family == "glm4_moe" and bool(cfg.get("attention_bias"))),
         qk_norm=family in ("qwen3", "qwen3_moe") or (family == "glm4_moe" and bool(cfg.get("use_qk_norm"))),
         num_experts=num_experts,
@@ -218,17 +240,24 @@ def describe(cfg: dict) -> HFModel:
         layer = replace(layer, num_kv_heads=heads, q_lora_rank=cfg.get("q_lora_rank"),
                         kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
                         qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"])
-    dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    num_mtp = int(cfg.get("num_nextn_predict_layers", 0) or 0)
+    if family in qwen_config.QWEN_HYBRID:
+        layer = replace(layer, **qwen_config.layer_fields(family, cfg))
+        num_mtp = qwen_config.num_mtp_layers(full_cfg, cfg)
+    dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or full_cfg.get("dtype") or "float32"
     return HFModel(
         family=family,
-        config=cfg,
+        config=full_cfg,
         layer=layer,
         num_layers=cfg["num_hidden_layers"],
         vocab_size=cfg["vocab_size"],
-        num_mtp_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_mtp_layers=num_mtp,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", full_cfg.get("tie_word_embeddings", False))),
         dtype=DTYPES.get(dtype_name, torch.float32),
         first_dense_layers=first_dense,
+        layer_types=qwen_config.layer_types(cfg) if family in qwen_config.QWEN_HYBRID else None,
+        prefix=prefix,
+        text=cfg,
     )
 
 
@@ -241,7 +270,7 @@ def padded_vocab(vocab_size: int, divisible_by: int, max_tensor_parallel: int) -
 
 def model_overrides(hf: HFModel, vocab_rows: int, divisible_by: int) -> dict:
     """``ModelConfig`` fields (the ``model:`` section of a training config) for this model."""
-    c, layer = hf.config, hf.layer
+    c, layer = hf.text or hf.config, hf.layer
     out = {
         "family": "moe" if layer.num_experts else "dense",
         "num_layers": hf.num_layers,
@@ -271,6 +300,8 @@ def model_overrides(hf: HFModel, vocab_rows: int, divisible_by: int) -> dict:
             # Megatron: top-k of the logits then softmax (= renormalised), or softmax first.
             moe_router_pre_softmax=not c.get("norm_topk_prob", False),
         )
+    if hf.family in qwen_config.QWEN_HYBRID:
+        out.update(qwen_config.model_fields(hf.family, c, layer))
     if hf.family in NEXTN_MOE:
         groups = c.get("n_group", 1)
         out.update(

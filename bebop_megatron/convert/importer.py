@@ -13,11 +13,12 @@ import os
 import torch
 from omegaconf import OmegaConf
 
-from bebop_megatron.convert import formats, megatron_io
+from bebop_megatron.convert import formats, megatron_io, qwen_config
 from bebop_megatron.convert.errors import ConvertError
 from bebop_megatron.convert.hf_config import HFModel, describe, model_overrides, padded_vocab, read_config
 from bebop_megatron.convert.hf_io import HFWeights, copy_tokenizer, write_json
 from bebop_megatron.convert.layers import layer_to_megatron
+from bebop_megatron.convert.qwen3_5 import VISION_FILE
 
 MTP_INITS = ("random", "copy_last_layer")
 DEFAULT_MTP_STEPS = 3  # the gamma the heads are usually served with (the paper evaluates gamma = 3)
@@ -31,15 +32,16 @@ def hf_to_megatron(w: HFWeights, hf: HFModel, vocab_rows: int, progress: bool = 
     """Every backbone tensor (and the MTP layers a MiMo/GLM checkpoint holds), Megatron names, TP=1."""
     from tqdm import tqdm
 
-    out = {"embedding.word_embeddings.weight": _pad_rows(w.get("model.embed_tokens.weight"), vocab_rows),
-           "decoder.final_layernorm.weight": w.get("model.norm.weight")}
+    p = hf.prefix  # model. (Qwen3.5's multimodal release: model.language_model.)
+    out = {"embedding.word_embeddings.weight": _pad_rows(w.get(f"{p}embed_tokens.weight"), vocab_rows),
+           "decoder.final_layernorm.weight": w.get(f"{p}norm.weight")}
     if hf.tie_embeddings:
         if "lm_head.weight" in w:
             w.get("lm_head.weight")  # a tied checkpoint may still store the copy
     else:
         out["output_layer.weight"] = _pad_rows(w.get("lm_head.weight"), vocab_rows)
     for i in tqdm(range(hf.num_layers), desc="layers", unit="layer", disable=not progress):
-        out.update(_layer(w, f"model.layers.{i}.", f"decoder.layers.{i}.", hf, i))
+        out.update(_layer(w, f"{p}layers.{i}.", f"decoder.layers.{i}.", hf, i))
     fmt = formats.IMPORT_FORMAT.get(hf.family)
     if hf.num_mtp_layers and fmt is not None:
         for i in range(hf.num_mtp_layers):
@@ -57,13 +59,28 @@ def _layer(w: HFWeights, hf_prefix: str, meg_prefix: str, hf: HFModel, i: int) -
         raise ConvertError(f"{hf_prefix}*: tensor shapes do not match config.json ({_first(err)})") from None
 
 
+def _qwen_mtp_layers(w: HFWeights, hf: HFModel, log) -> int:
+    """Qwen3-Next / Qwen3.5: the MTP layers present in the files (the config may announce more)."""
+    found = {int(k.split(".")[2]) for k in w.keys() if k.startswith("mtp.layers.") and k.split(".")[2].isdigit()}
+    if len(found) > 1:
+        raise ConvertError(f"the checkpoint has {len(found)} MTP layers sharing one mtp.fc / mtp.norm: Megatron's "
+                           "MTP layers each have their own; only one is supported")
+    if hf.num_mtp_layers and not found:
+        log(f"note: config.json announces {hf.num_mtp_layers} MTP layer(s) but the files hold no mtp.* tensors: "
+            "the MTP layer is initialised as for a model without one")
+    return len(found)
+
+
 def _first(err: Exception) -> str:
     return str(err).strip().splitlines()[0]
 
 
-def copy_last_layer(tensors: dict, num_layers: int, num_mtp: int) -> dict:
-    """Warm start: each MTP decoder layer (and its final norm) from the last backbone layer."""
-    src = f"decoder.layers.{num_layers - 1}."
+def copy_last_layer(tensors: dict, num_layers: int, num_mtp: int, layer_types=None) -> dict:
+    """Warm start: each MTP decoder layer (and its final norm) from the last backbone layer (hybrid
+    models: the last full-attention one, the MTP layer's kind)."""
+    last = max((i for i in range(num_layers) if not layer_types or layer_types[i] == "full_attention"),
+               default=num_layers - 1)
+    src = f"decoder.layers.{last}."
     out = {}
     for i in range(num_mtp):
         dst = f"{formats.meg_mtp(i)}mtp_model_layer."
@@ -82,6 +99,8 @@ def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = No
         raise ConvertError(f"--mtp-init {mtp_init!r} must be one of {', '.join(MTP_INITS)}")
     hf = describe(read_config(hf_dir))
     w = HFWeights(hf_dir)
+    if hf.family in qwen_config.QWEN_HYBRID:  # MTP weights are often left out (e.g. transformers' save)
+        hf.num_mtp_layers = _qwen_mtp_layers(w, hf, log)
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "metadata.json")):
         raise ConvertError(f"--out {out_dir} exists and is not a Megatron checkpoint; refusing to overwrite it")
     num_mtp = hf.num_mtp_layers or 1
@@ -94,7 +113,8 @@ def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = No
     cfg = megatron_io.make_config(model_cfg, num_mtp, steps)
     tensors = hf_to_megatron(w, hf, rows, progress)
     if not hf.num_mtp_layers and mtp_init == "copy_last_layer":
-        tensors.update(copy_last_layer(tensors, hf.num_layers, num_mtp))
+        tensors.update(copy_last_layer(tensors, hf.num_layers, num_mtp, hf.layer_types))
+    vision = {k: w.get(k) for k in w.keys() if k.startswith("model.visual.")}  # Qwen3.5's vision tower
     extra = w.unused()
     if extra:
         raise ConvertError(f"{len(extra)} tensors of {hf_dir} are not mapped for {hf.family}, e.g. {extra[0]}")
@@ -118,9 +138,13 @@ def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = No
     hf_out = os.path.join(out_dir, "hf")
     os.makedirs(hf_out, exist_ok=True)
     write_json(os.path.join(hf_out, "config.json"), hf.config)
+    if vision:  # not trained here; a full export writes it back (convert/qwen3_5.py)
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in vision.items()}, os.path.join(hf_out, VISION_FILE))
     copied = copy_tokenizer(hf_dir, hf_out)
     if copied:  # training on real data then tokenizes with the model's own tokenizer
-        sections["data"] = {"tokenizer": os.path.abspath(hf_out)}
+        sections.setdefault("data", {})["tokenizer"] = os.path.abspath(hf_out)
     with open(os.path.join(out_dir, "bebop_model.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create(sections)))
     mtp_from = "imported" if hf.num_mtp_layers else ("copied from the last layer" if mtp_init != "random" else "random")

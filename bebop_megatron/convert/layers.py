@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from bebop_megatron.convert import qwen_hybrid
 from bebop_megatron.convert.hf_config import LayerShape
 
 
@@ -87,7 +88,12 @@ def layer_to_megatron(get, hf: str, meg: str, shape: LayerShape) -> dict:
         f"{meg}input_layernorm.weight": get(f"{hf}input_layernorm.weight"),
         f"{meg}pre_mlp_layernorm.weight": get(f"{hf}post_attention_layernorm.weight"),
     }
-    if shape.mla:
+    if shape.linear:  # Gated DeltaNet (Qwen3-Next / Qwen3.5)
+        out.update(qwen_hybrid.gdn_to_megatron(get, f"{hf}linear_attn.", f"{meg}self_attention.", shape))
+    elif shape.output_gate:
+        out[f"{meg}self_attention.linear_qkv.weight"] = qwen_hybrid.gated_qkv_to_megatron(get, f"{hf}self_attn.", shape)
+        out[f"{meg}self_attention.linear_proj.weight"] = get(f"{hf}self_attn.o_proj.weight")
+    elif shape.mla:
         out.update({f"{meg}self_attention.{m}": get(f"{hf}self_attn.{h}") for m, h in mla_names(shape).items()})
     else:
         out[f"{meg}self_attention.linear_qkv.weight"] = fuse_qkv(
@@ -98,7 +104,7 @@ def layer_to_megatron(get, hf: str, meg: str, shape: LayerShape) -> dict:
         out[f"{meg}self_attention.linear_qkv.bias"] = fuse_qkv(
             get(f"{hf}self_attn.q_proj.bias"), get(f"{hf}self_attn.k_proj.bias"),
             get(f"{hf}self_attn.v_proj.bias"), shape)
-    if shape.qk_norm and not shape.mla:
+    if shape.qk_norm and not shape.mla and not shape.linear:
         out[f"{meg}self_attention.q_layernorm.weight"] = get(f"{hf}self_attn.q_norm.weight")
         out[f"{meg}self_attention.k_layernorm.weight"] = get(f"{hf}self_attn.k_norm.weight")
     if shape.num_experts:
@@ -107,7 +113,10 @@ def layer_to_megatron(get, hf: str, meg: str, shape: LayerShape) -> dict:
             out[f"{meg}mlp.router.expert_bias"] = get(f"{hf}mlp.gate.e_score_correction_bias").float()
         for j in range(shape.num_experts):
             out.update(_mlp_to_megatron(get, f"{hf}mlp.experts.{j}.", f"{meg}mlp.experts.local_experts.{j}."))
-        if shape.shared_ffn_hidden_size:
+        if shape.shared_expert_gate:  # Qwen3-Next / Qwen3.5-MoE: one shared expert and its sigmoid gate
+            out.update(_mlp_to_megatron(get, f"{hf}mlp.shared_expert.", f"{meg}mlp.shared_experts."))
+            out[f"{meg}mlp.shared_experts.gate_weight"] = get(f"{hf}mlp.shared_expert_gate.weight")
+        elif shape.shared_ffn_hidden_size:
             out.update(_mlp_to_megatron(get, f"{hf}mlp.shared_experts.", f"{meg}mlp.shared_experts."))
     else:
         out.update(_mlp_to_megatron(get, f"{hf}mlp.", f"{meg}mlp."))
@@ -121,8 +130,16 @@ def layer_to_hf(sd: dict, meg: str, hf: str, shape: LayerShape, qkv_bias: bool |
         f"{hf}input_layernorm.weight": sd[f"{meg}input_layernorm.weight"],
         f"{hf}post_attention_layernorm.weight": sd[f"{meg}pre_mlp_layernorm.weight"],
     }
-    if shape.mla:
-        out.update({f"{hf}self_attn.{h}": sd[f"{meg}self_attention.{m}"] for m, h in mla_names(shape).items()})
+    if shape.mla or shape.linear or shape.output_gate:
+        if shape.linear:
+            out.update(qwen_hybrid.gdn_to_hf(sd, f"{meg}self_attention.", f"{hf}linear_attn.", shape))
+        elif shape.output_gate:
+            out.update(qwen_hybrid.gated_qkv_to_hf(sd[f"{meg}self_attention.linear_qkv.weight"], f"{hf}self_attn.", shape))
+            out[f"{hf}self_attn.o_proj.weight"] = sd[f"{meg}self_attention.linear_proj.weight"]
+            out[f"{hf}self_attn.q_norm.weight"] = sd[f"{meg}self_attention.q_layernorm.weight"]
+            out[f"{hf}self_attn.k_norm.weight"] = sd[f"{meg}self_attention.k_layernorm.weight"]
+        else:
+            out.update({f"{hf}self_attn.{h}": sd[f"{meg}self_attention.{m}"] for m, h in mla_names(shape).items()})
         out.update(_mlp_layer_to_hf(sd, meg, hf, shape))
         return out
     q, k, v = split_qkv(sd[f"{meg}self_attention.linear_qkv.weight"], shape)
@@ -157,7 +174,10 @@ def _mlp_layer_to_hf(sd: dict, meg: str, hf: str, shape: LayerShape) -> dict:
             out[f"{hf}mlp.gate.e_score_correction_bias"] = sd[f"{meg}mlp.router.expert_bias"]
         for j in range(shape.num_experts):
             out.update(_mlp_to_hf(sd, f"{meg}mlp.experts.local_experts.{j}.", f"{hf}mlp.experts.{j}."))
-        if shape.shared_ffn_hidden_size:
+        if shape.shared_expert_gate:
+            out.update(_mlp_to_hf(sd, f"{meg}mlp.shared_experts.", f"{hf}mlp.shared_expert."))
+            out[f"{hf}mlp.shared_expert_gate.weight"] = sd[f"{meg}mlp.shared_experts.gate_weight"]
+        elif shape.shared_ffn_hidden_size:
             out.update(_mlp_to_hf(sd, f"{meg}mlp.shared_experts.", f"{hf}mlp.shared_experts."))
     else:
         out.update(_mlp_to_hf(sd, f"{meg}mlp.", f"{hf}mlp."))

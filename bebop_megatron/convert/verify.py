@@ -253,6 +253,13 @@ BACKBONES = {
 }
 
 
+# Qwen3-Next / Qwen3.5 (``convert/qwen_verify.py``, which imports the helpers above where it uses them).
+from bebop_megatron.convert import qwen_verify  # noqa: E402
+
+REFERENCES["qwen3_5"] = REFERENCES["qwen3_next"] = qwen_verify.QwenReference
+BACKBONES["qwen3_5"] = BACKBONES["qwen3_next"] = qwen_verify.backbone_hidden
+
+
 def compare(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float, hint: str = "") -> float:
     """Max abs difference; raises when above ``tol`` times the reference's scale (>= 1)."""
     diff = (got.float() - ref.float()).abs().max().item()

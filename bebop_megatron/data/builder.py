@@ -59,6 +59,7 @@ def build_train_dataset(
             vocab_size=cfg.model.vocab_size,
             branching=cfg.data.markov_branching,
             seed=cfg.data.seed,
+            min_branching=cfg.data.markov_min_branching,
         )
     specs = parse_sources(cfg.data.train_files, "data.train_files")
     return _build_packed(cfg, specs, tokenizer, shuffle=True, name="train data", log=log, progress=progress)
@@ -74,6 +75,14 @@ def build_valid_dataset(
         return None
     specs = parse_sources(cfg.data.valid_files, "data.valid_files")
     return _build_packed(cfg, specs, tokenizer, shuffle=False, name="valid data", log=log, progress=progress)
+
+
+def build_synthetic_held_out(cfg, num_samples: int) -> MarkovDataset:
+    """``num_samples`` held-out samples of the run's synthetic language: the same chain, the
+    samples that come after its ``data.num_samples`` training samples."""
+    d = cfg.data
+    return MarkovDataset(num_samples, cfg.train.seq_length, cfg.model.vocab_size, d.markov_branching, d.seed,
+                         min_branching=d.markov_min_branching, index_offset=d.num_samples)
 
 
 def _build_packed(cfg, specs: list[SourceSpec], tokenizer, *, shuffle, name, log, progress) -> PackedDataset:

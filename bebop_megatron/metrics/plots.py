@@ -139,9 +139,37 @@ def rs_vs_to_boundary(per_t: dict, scatter: list, tau: str, path: str) -> None:
     save(fig, path)
 
 
-def write_all(per_t: dict, scatter: list, tau: str, out_dir: str) -> dict[str, str]:
+def speedup_vs_gamma(speedup: dict, path: str) -> None:
+    """Expected speed-up against gamma per temperature (:mod:`bebop_megatron.metrics.speedup`),
+    the recommended gamma marked."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (tau, row) in enumerate(speedup["per_temperature"].items()):
+        color = f"C{i}"
+        gammas = np.array(row["gamma"])
+        ax.plot(gammas, row["speedup_rs"], "o-", color=color, label=f"RS, T={tau}")
+        ax.plot(gammas, row["speedup_to"], "s--", color=color, mfc="none", label=f"target-only, T={tau}")
+        if row["best_gamma_rs"]:
+            ax.plot([row["best_gamma_rs"]], [row["best_speedup_rs"]], "*", color=color, ms=16,
+                    label=f"recommended gamma {row['best_gamma_rs']}, T={tau}")
+    ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    c = speedup["costs"]
+    ax.set_xlabel("gamma (drafted tokens)")
+    ax.set_ylabel("expected speed-up over plain decoding")
+    ax.set_xticks(gammas)
+    ax.set_title(f"(1 + E[L]) / (1 + gamma c_draft/c_target + overhead); c_draft/c_target {c['draft_ratio']:.3f} "
+                 f"({c['source']})", fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
+    save(fig, path)
+
+
+def write_all(per_t: dict, scatter: list, tau: str, out_dir: str, speedup: dict | None = None) -> dict[str, str]:
+    """Every plot; ``speedup_vs_gamma`` too when ``speedup`` (:func:`speedup_table`) is given."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {name: os.path.join(out_dir, f"{name}.png") for name in PLOTS}
+    if speedup is not None:
+        paths["speedup_vs_gamma"] = os.path.join(out_dir, "speedup_vs_gamma.png")
+        speedup_vs_gamma(speedup, paths["speedup_vs_gamma"])
     alpha_per_step(per_t, paths["alpha_per_step"])
     accept_len_vs_gamma(per_t, paths["accept_len_vs_gamma"])
     acceptance_vs_entropy(per_t, tau, paths["acceptance_vs_entropy"])

@@ -16,7 +16,9 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.utils import make_viewless_tensor
 
 from bebop_megatron.config import Config
-from bebop_megatron.model import specs
+from bebop_megatron.config.hybrid import has_linear_attention
+from bebop_megatron.model import hybrid, specs
+from bebop_megatron.platform import gdn_torch
 
 
 class PreNormChainMTPLayer(MultiTokenPredictionLayer):
@@ -85,7 +87,7 @@ def use_transformer_engine(cfg: Config, device: str) -> bool:
     from bebop_megatron.platform import have_transformer_engine
 
     impl = cfg.model.transformer_impl
-    if impl == "local":
+    if impl == "local" or has_linear_attention(cfg.model):  # hybrid layers: local specs only
         return False
     te = have_transformer_engine() and device == "cuda"
     if impl == "transformer_engine" and not te:
@@ -121,6 +123,8 @@ def transformer_config(cfg: Config, device: str, use_te: bool) -> TransformerCon
     m, p = cfg.model, cfg.parallel
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}[cfg.precision]
     moe = m.family == "moe"
+    hybrid = has_linear_attention(m)
+    torch_gdn = hybrid and gdn_torch.enable()
     kwargs = dict(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -157,7 +161,8 @@ def transformer_config(cfg: Config, device: str, use_te: bool) -> TransformerCon
         # nothing else, and on GPU this makes initialisation independent of the layout.
         use_cpu_initialization=True,
         calculate_per_token_loss=True,
-        deterministic_mode=cfg.train.deterministic and device == "cpu",
+        # Gated DeltaNet without FLA: only the deterministic path is torch code (platform/gdn_torch.py).
+        deterministic_mode=(cfg.train.deterministic and device == "cpu") or torch_gdn,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
@@ -187,10 +192,30 @@ def transformer_config(cfg: Config, device: str, use_te: bool) -> TransformerCon
             moe_layer_freq=([0] * m.moe_first_dense_layers + [1] * (m.num_layers - m.moe_first_dense_layers)
                             if m.moe_first_dense_layers else 1),
         )
+    kwargs.update(qwen_hybrid_settings(m, hybrid))
     if m.multi_latent_attention:
         kwargs.update(mla_transformer_settings(m))
         return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
+
+
+def qwen_hybrid_settings(m, hybrid: bool) -> dict:
+    """Qwen3-Next / Qwen3.5 fields: zero-centred norms, gated attention, shared-expert gate and
+    the Gated DeltaNet layers (``linear_attention_freq`` as a list keys every layer separately)."""
+    out = dict(layernorm_zero_centered_gamma=m.zero_centered_norms, attention_output_gate=m.attention_output_gate)
+    if m.family == "moe":
+        out["moe_shared_expert_gate"] = m.moe_shared_expert_gate
+    if hybrid:
+        out.update(
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=[int(t == "linear_attention") for t in m.layer_types],
+            linear_conv_kernel_dim=m.linear_conv_kernel_dim,
+            linear_key_head_dim=m.linear_key_head_dim,
+            linear_value_head_dim=m.linear_value_head_dim,
+            linear_num_key_heads=m.linear_num_key_heads,
+            linear_num_value_heads=m.linear_num_value_heads,
+        )
+    return out
 
 
 def mla_transformer_settings(m) -> dict:
@@ -231,7 +256,12 @@ def build_model(cfg: Config, device: str, pg_collection=None) -> MTPGPTModel:
     tconfig = transformer_config(cfg, device, use_te)
     num_experts = cfg.model.num_experts if cfg.model.family == "moe" else None
     mla = cfg.model.multi_latent_attention
-    layer = specs.layer_spec(num_experts, cfg.model.qk_layernorm, use_te, mla)
+    if has_linear_attention(cfg.model):
+        layer = hybrid.mtp_layer_spec(num_experts)
+        block = hybrid.decoder_block_spec(tconfig, list(cfg.model.layer_types), num_experts)
+    else:
+        layer = specs.layer_spec(num_experts, cfg.model.qk_layernorm, use_te, mla)
+        block = None
     mtp_spec = specs.mtp_block_spec(tconfig, layer, use_te)
     if mtp_spec is not None and cfg.mtp.next_step_input == "pre_norm":
         mtp_spec = dataclasses.replace(mtp_spec, layer_specs=[
@@ -240,7 +270,7 @@ def build_model(cfg: Config, device: str, pg_collection=None) -> MTPGPTModel:
     dense = specs.layer_spec(None, cfg.model.qk_layernorm, use_te, mla) if num_dense else None
     model = MTPGPTModel(
         config=tconfig,
-        transformer_layer_spec=specs.decoder_block_spec(tconfig, layer, use_te, dense, num_dense),
+        transformer_layer_spec=block or specs.decoder_block_spec(tconfig, layer, use_te, dense, num_dense),
         vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),

@@ -72,7 +72,11 @@ def init_mtp_layers(model, kind: str, tp_rank: int) -> None:
             raise ConfigError("mtp.init=copy_last_layer needs the last decoder layer on the MTP stage; with a "
                               "standalone MTP pipeline stage import with tools/convert_from_hf.py --mtp-init "
                               "copy_last_layer and pass model.init_checkpoint")
-        source = dict(decoder_layers[-1].named_parameters())
+        # Hybrid models (Qwen3-Next / Qwen3.5): the MTP layer is full attention, so copy the last such layer.
+        attention = [lay for lay in decoder_layers if type(lay.self_attention).__name__ != "GatedDeltaNet"]
+        if not attention:
+            raise ConfigError("mtp.init=copy_last_layer needs a full-attention decoder layer on the MTP stage")
+        source = dict(attention[-1].named_parameters())
         for layer in layers:
             for name, param in layer.mtp_model_layer.named_parameters():
                 param.copy_(source[name])
@@ -80,7 +84,9 @@ def init_mtp_layers(model, kind: str, tp_rank: int) -> None:
         return
     if kind != "identity":
         raise ConfigError(f"mtp.init={kind!r} must be one of {', '.join(MTP_INITS)}")
-    scale = final_norm.float().pow(2).mean().sqrt()
+    # Zero-centred norms (Qwen3-Next / Qwen3.5) scale by 1 + w: the same effective scales, offset by one.
+    offset = 1.0 if getattr(model.config, "layernorm_zero_centered_gamma", False) else 0.0
+    scale = (final_norm.float() + offset).pow(2).mean().sqrt()
     for layer in layers:
         w = layer.eh_proj.weight  # [H / TP, 2H]: this rank's output rows of [enorm(emb), hnorm(h)] -> H
         rows, two_h = w.shape
@@ -93,6 +99,6 @@ def init_mtp_layers(model, kind: str, tp_rank: int) -> None:
         for name, param in layer.mtp_model_layer.named_parameters():
             if name.endswith(("linear_proj.weight", "linear_fc2.weight", "linear_proj.bias", "linear_fc2.bias")):
                 param.zero_()
-        layer.enorm.weight.fill_(1.0)
-        layer.hnorm.weight.fill_(1.0)
-        layer.final_layernorm.weight.fill_(scale.item())
+        layer.enorm.weight.fill_(1.0 - offset)
+        layer.hnorm.weight.fill_(1.0 - offset)
+        layer.final_layernorm.weight.fill_(scale.item() - offset)

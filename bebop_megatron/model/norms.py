@@ -45,3 +45,11 @@ class SPAwareNorm(nn.Module):
 def qk_norm(config, hidden_size: int, eps: float = 1e-5, **kwargs) -> SPAwareNorm:
     """The norm for per-head query/key normalisation (never tagged sequence-parallel)."""
     return SPAwareNorm(config, hidden_size, eps, for_qk=True)
+
+
+class HeadNorm(SPAwareNorm):
+    """A norm over one head's features (Gated DeltaNet's gated output norm): never tagged
+    sequence-parallel, like :func:`qk_norm`; a class because Megatron builds it from a spec."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(config, hidden_size, eps, for_qk=True)

@@ -17,6 +17,11 @@ _WARNINGS = (
     r"full scope is deprecated",  # CUDA-graph default inside TransformerConfig; we set no graphs
     r"MimoModelConfig is experimental",  # imported by Megatron, unused here
     r"`torch.distributed.all_gather_into_tensor` is deprecated",  # Megatron's call, not ours
+    # Loading a backbone checkpoint (e.g. the quick start's fitted one): torch's notes on
+    # Megatron's dist-checkpointing calls and on reading metadata without a process group.
+    r"torch\.distributed is disabled, unavailable or uninitialized",
+    r"The argument order of load has been changed",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
 )
 
 _LOG_MESSAGES = (

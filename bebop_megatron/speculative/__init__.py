@@ -8,6 +8,11 @@
 Both emit tokens distributed exactly as p; they are the ground truth for the tests and
 for the empirical acceptance of ``tools/eval_acceptance.py``. ``batched_*`` run B
 independent chains at once (same algorithm, same random stream for B = 1).
+
+Whole-sequence speculative decoding with the trained heads (``tools/speculative_generate.py``):
+:mod:`.decoding` (the draft / verify / accept loop over any model with four methods),
+:mod:`.megatron_model` (the Megatron model with KV caches), :mod:`.measure` (measured
+acceptance against the teacher-forced Eq. 12 prediction), :mod:`.session` (loading, runs).
 """
 
 from bebop_megatron.speculative.chain import (

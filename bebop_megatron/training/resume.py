@@ -31,7 +31,7 @@ from bebop_megatron.training.fingerprint import backbone_record, short
 
 METADATA_FILES = ("metadata.json", ".metadata")
 DATA_KEYS = ("train.seq_length", "data.train_files", "data.tokenizer", "data.train_on", "data.pack", "data.overlong",
-             "data.num_samples", "data.markov_branching", "data.seed")
+             "data.num_samples", "data.markov_branching", "data.markov_min_branching", "data.seed")
 """Fields that define the token rows and their order (``consumed_samples`` counts rows of them)."""
 SCHEDULE_KEYS = ("train.lr", "train.min_lr", "train.lr_schedule", "train.warmup_fraction", "train.weight_decay",
                  "train.steps")

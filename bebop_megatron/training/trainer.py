@@ -34,6 +34,7 @@ from bebop_megatron.model.mtp_init import resolve as resolve_mtp_init
 from bebop_megatron.platform import init_distributed, resolve_device
 from bebop_megatron.platform.grad_norms import compute_grad_norms, step_with_norms
 from bebop_megatron.training import checkpoint as ckpt
+from bebop_megatron.training import synthetic_backbone
 from bebop_megatron.training.flops import mfu, peak_tflops_per_device, step_flops
 from bebop_megatron.training.guard import NumericsGuard, agree_on_flags, local_loss_is_finite
 from bebop_megatron.training.loss import STAT_ROWS, mtp_loss
@@ -120,6 +121,9 @@ class Trainer:
         self.rank, self.world = init_distributed(self.device)
         self.log = log if self.rank == 0 else (lambda *a, **k: None)
         self._comm_device = torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
+        # model.backbone_init=fit_synthetic: the cached fitted backbone becomes backbone_checkpoint
+        # (fitted first by rank 0 if missing), before the start plan fingerprints the backbone.
+        synthetic_backbone.prepare(cfg, self.rank, self.log)
         # Rank 0 takes the save.dir lock and picks the checkpoint (comparing its config) before
         # anything is built or written; every rank gets the same plan or the same error.
         self.start_plan = agree_on_start(cfg, self.rank)

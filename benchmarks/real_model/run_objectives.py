@@ -178,6 +178,10 @@ def evaluate(paths: dict, scale: Scale, args, run_dir: Path) -> Path:
          "--tensor-parallel", scale.tensor_parallel, "--device", args.device,
          "--micro-batch-size", scale.eval_micro_batch_size, "--out-dir", out, "--positions-out", positions,
          "--sim-positions", 0,  # the simulated chains (a check of Eq. 12) cost more than the statistics on CPU
+         # No cost model: timing the 1.5B model (7 one-thread forwards of the target and of the full
+         # model at seq_length) would take longer than the held-out pass itself, for every run, and
+         # no table here reads it.
+         "--no-speedup",
          "--no-progress"], what=f"evaluate {run_dir.name}",
         env={"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // scale.nproc))})
     return positions

@@ -38,6 +38,13 @@ def test_two_ranks_equal_one(reports, layout):
     got, want = reports[layout], reports["single"]
     assert got["layout"]["tensor"] == (2 if layout == "tp2" else 1)
     assert got["layout"]["data"] == (2 if layout == "dp2" else 1)
+    # The speed-up costs are measured on every layout (collective forwards under TP), from the same
+    # E[L] the formula is applied to.
+    costs = got["speedup"]["costs"]
+    assert costs["source"] == "measured" and costs["target_ms"] > 0 and costs["draft_ms"] >= 0
+    for tau, row in got["speedup"]["per_temperature"].items():
+        e = got["per_temperature"][tau]["accept_len_rs"]
+        assert close(row["speedup_rs"], [(1 + x) / (1 + g * costs["draft_ratio"]) for g, x in enumerate(e, 1)], 1e-9)
     for tau, entry in want["per_temperature"].items():
         other = got["per_temperature"][tau]
         bad = [k for k in ANALYTIC if not close(other[k], entry[k])]

@@ -2,7 +2,9 @@
 
 The objective is the e2e TV loss (vocabulary-parallel under TP, sequence-parallel hidden
 states under SP); one layout repeats TP+SP with the CE objective, two run the MTP chain with
-``mtp.next_step_input=pre_norm`` (TP+SP, and a standalone MTP pipeline stage).
+``mtp.next_step_input=pre_norm`` (TP+SP, and a standalone MTP pipeline stage). The Qwen3.5 /
+Qwen3-Next hybrid (Gated DeltaNet layers, gated attention) runs at PP=2 and, as MoE, EP=2 (TP=2 with SP
+of its Gated DeltaNet layers is checked on the imported models' logits, tests/test_convert_import.py).
 
 Weights are independent of the layout: the single-rank reference writes its initial
 weights as a Megatron distributed checkpoint, and each 2-rank run loads them at its own
@@ -28,6 +30,12 @@ BASE = [
     "model.num_attention_heads=4", "model.num_query_groups=2", "model.vocab_size=200",
     "mtp.num_layers=1", "mtp.num_steps=3", "loss.type=e2e_tv", "loss.chunk_tokens=37",
 ]
+QWEN_HYBRID = [
+    "model.layer_types=[linear_attention,full_attention,linear_attention,full_attention]",
+    "model.attention_output_gate=true", "model.zero_centered_norms=true", "model.qk_layernorm=true",
+    "model.kv_channels=16", "model.rotary_percent=0.25", "model.linear_key_head_dim=8", "model.linear_value_head_dim=8",
+    "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
+]
 FAMILIES = {
     "dense": ["model.qk_layernorm=true"],
     "dense_ce": ["model.qk_layernorm=true", "loss.type=ce"],
@@ -35,6 +43,13 @@ FAMILIES = {
     "moe": [
         "model.family=moe", "model.num_experts=4", "model.moe_router_topk=2", "model.add_qkv_bias=true",
         "model.ffn_hidden_size=64", "model.moe_shared_expert_intermediate_size=64",
+    ],
+    # Qwen3.5 / Qwen3-Next hybrid: Gated DeltaNet and gated-attention layers, zero-centred norms;
+    # the MTP layer is gated attention (dense, or MoE with a gated shared expert).
+    "qwen_hybrid": QWEN_HYBRID,
+    "qwen_hybrid_moe": QWEN_HYBRID + [
+        "model.family=moe", "model.num_experts=4", "model.moe_router_topk=2", "model.ffn_hidden_size=64",
+        "model.moe_shared_expert_intermediate_size=64", "model.moe_shared_expert_gate=true",
     ],
 }
 # name -> (family, overrides, how the 2-rank run gets its weights)
@@ -55,6 +70,8 @@ LAYOUTS = {
         ["parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2", "parallel.expert_tensor=1"],
         "init_checkpoint",
     ),
+    "pp2_qwen_hybrid": ("qwen_hybrid", ["parallel.pipeline=2"], "init_checkpoint"),
+    "ep2_qwen_hybrid_moe": ("qwen_hybrid_moe", ["parallel.expert=2"], "init_checkpoint"),
 }
 
 

@@ -111,6 +111,10 @@ def make_hf_model(family: str, path: Path, num_mtp: int = 1, seed: int = 0,
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
+    from tests.helpers import qwen_models
+
+    if family in qwen_models.QWEN_FAMILIES:
+        return qwen_models.make_qwen_model(family, path, seed)
     torch.manual_seed(seed)
     cfg = hf_config(family)
     model = AutoModelForCausalLM.from_config(cfg).float()
@@ -150,6 +154,10 @@ def hf_logits(path: Path, family: str, tokens: torch.Tensor) -> torch.Tensor:
     """The transformers model's float32 logits (MiMo: its Qwen2 backbone)."""
     from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
+    from tests.helpers import qwen_models
+
+    if family in qwen_models.QWEN_FAMILIES:
+        return qwen_models.hf_logits(path, family, tokens)
     if family == "mimo":
         model = Qwen2ForCausalLM.from_pretrained(str(path), config=hf_config("mimo"), dtype=torch.float32)
     else:

@@ -1,0 +1,164 @@
+"""Load a training checkpoint for speculative decoding and run it over prompts (the logic of
+``tools/speculative_generate.py`` and ``benchmarks/real_model/speculative.py``).
+
+The checkpoint is read as ``tools/eval_acceptance.py`` reads it: the run's config from the
+checkpoint, the backbone from its ``model.backbone_checkpoint`` / ``model.init_checkpoint``
+(or the same seeded random initialisation), the trained MTP layers from the checkpoint;
+single process, TP=1, PP=1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+from bebop_megatron.speculative.decoding import Generation, autoregressive_steps, lockstep, speculative_steps
+from bebop_megatron.speculative.measure import measured, predicted, teacher_forced_alphas
+
+
+def resolve_checkpoint(path: str) -> str:
+    """A save.dir (its ``latest``) or one ``iter_N`` directory, checked with plain ``os``."""
+    marker = os.path.join(path, "latest")
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            found = os.path.join(path, f.read().strip())
+        if os.path.isfile(os.path.join(found, "metadata.json")):
+            return found
+        raise ValueError(f"checkpoint not found: {marker} names {found}, which is not a complete checkpoint")
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    raise ValueError(f"checkpoint not found: {path} (expected a save.dir with 'latest' or an iter_N directory)")
+
+
+def load(checkpoint: str, device: str = "cpu", precision: str | None = None):
+    """``(model, cfg)``: the trained model at TP=1, PP=1 in eval mode; ``precision`` (fp32 or
+    bf16) replaces the run's (dist checkpointing casts the stored weights on load)."""
+    from omegaconf import OmegaConf
+
+    from bebop_megatron.config import load_config
+    from bebop_megatron.model import build_model
+    from bebop_megatron.platform import init_distributed
+    from bebop_megatron.training import checkpoint as ckpt
+    from bebop_megatron.training import synthetic_backbone
+    from bebop_megatron.training.checkpoint import read_common_state
+    from bebop_megatron.training.parallel import setup_parallel
+    from bebop_megatron.training.resume import damage
+
+    path = resolve_checkpoint(checkpoint)
+    _, world = init_distributed(device)
+    if world != 1:
+        raise ValueError("speculative decoding runs in one process (TP=1); launch without torchrun")
+    problem = damage(path)
+    if problem:
+        raise ValueError(f"checkpoint {path} is damaged: {problem}")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        common = read_common_state(path)
+    if "config_yaml" not in common:
+        raise ValueError(f"{path}: the checkpoint holds no config_yaml (not written by the trainer?)")
+    saved = OmegaConf.to_container(OmegaConf.create(common["config_yaml"]))
+    overrides = [f"device={device}", "parallel.tensor=1", "parallel.pipeline=1", "parallel.pipeline_layout=null",
+                 "parallel.context=1", "parallel.sequence_parallel=false", "parallel.expert=1",
+                 "parallel.expert_tensor=null", "train.micro_batch_size=1", "train.global_batch_size=1"]
+    if precision is not None:
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+        overrides.append(f"precision={precision}")
+    elif saved.get("precision") == "fp8":
+        overrides.append("precision=bf16")
+    cfg = load_config(None, overrides, defaults=saved)
+    setup_parallel(cfg, world)
+    # A run on the fitted synthetic backbone (model.backbone_init=fit_synthetic): rebuilt when its
+    # cache entry is missing, as tools/eval_acceptance.py does.
+    synthetic_backbone.prepare(cfg, 0, log=lambda line: print(line, file=sys.stderr, flush=True))
+    model = build_model(cfg, device)
+    if cfg.model.backbone_checkpoint:
+        ckpt.load_model_weights(cfg.model.backbone_checkpoint, model, backbone_only=True)
+    elif cfg.model.init_checkpoint:
+        ckpt.load_model_weights(cfg.model.init_checkpoint, model, backbone_only=False)
+    ckpt.load_mtp_weights(path, model)
+    model.eval()
+    return model, cfg
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The conversation rendered with the generation prompt (the chat template of an HF
+    tokenizer; the byte tokenizer's own format followed by its assistant marker)."""
+    from bebop_megatron.data.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode_chat(messages)[0] + [ByteTokenizer.ASSISTANT]
+    text = tokenizer.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text)  # the template writes any BOS itself (as apply_chat_template tokenizes)
+
+
+def stop_ids_of(tokenizer) -> set[int]:
+    """End of turn: EOS plus, for chat templates, the token that ends an assistant turn."""
+    from bebop_megatron.data.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return {ByteTokenizer.EOS, ByteTokenizer.END}
+    ids = {tokenizer.eos_id}
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        tid = tokenizer.tok.convert_tokens_to_ids(name)
+        if isinstance(tid, int) and tid >= 0 and tid != tokenizer.tok.unk_token_id:
+            ids.add(tid)
+    return ids
+
+
+def run_config(spec_model, prompts: list[list[int]], *, gamma: int, temperature: float, mode: str,
+               max_new_tokens: int, seed: int, stop_ids=(), baseline: bool = False, baseline_model=None,
+               progress=None) -> dict:
+    """Speculative decoding of every prompt; with ``baseline`` also plain decoding of the same
+    prompt: advanced in lockstep with it on ``baseline_model`` (a second cache of the same
+    model) when given, else right after it on ``spec_model``. Returns the measured and
+    predicted statistics (and the speed-up)."""
+    gens, alphas, plain, predict_seconds = [], [], [], 0.0
+    for i, ids in enumerate(prompts):
+        seed_i = seed * 1_000_003 + i
+        gen = Generation(len(ids), list(ids))
+        steps = speculative_steps(spec_model, gen, gamma=gamma, temperature=temperature, max_new_tokens=max_new_tokens,
+                                  mode=mode, generator=torch.Generator().manual_seed(seed_i), stop_ids=stop_ids)
+        if baseline:
+            plain.append(Generation(len(ids), list(ids)))
+            plain_steps = autoregressive_steps(baseline_model or spec_model, plain[-1], temperature=temperature,
+                                               max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                                               generator=torch.Generator().manual_seed(seed_i))
+        if baseline and baseline_model is not None:
+            lockstep(steps, plain_steps)
+        else:
+            lockstep(steps)
+        gens.append(gen)
+        t0 = time.perf_counter()
+        alphas.append(teacher_forced_alphas(spec_model, gen, gamma, temperature, mode))
+        predict_seconds += time.perf_counter() - t0
+        if baseline and baseline_model is None:
+            lockstep(plain_steps)
+        if progress:
+            progress(i + 1, len(prompts))
+    return summarize(gens, alphas, plain, gamma=gamma, temperature=temperature, mode=mode,
+                     max_new_tokens=max_new_tokens, seed=seed, predict_seconds=predict_seconds)
+
+
+def summarize(gens, alphas, plain, *, gamma, temperature, mode, max_new_tokens, seed, predict_seconds=0.0) -> dict:
+    result = {"gamma": gamma, "temperature": temperature, "mode": mode, "max_new_tokens": max_new_tokens,
+              "num_prompts": len(gens), "seed": seed, **measured(gens, gamma), **predicted(gens, alphas, gamma),
+              "predict_seconds": predict_seconds}
+    if plain:
+        result["baseline"] = baseline_stats(plain)
+        decode = result["wall_seconds"]["target"] + result["wall_seconds"]["draft"]
+        result["speedup"] = result["baseline"]["seconds_per_token"] / (decode / max(result["new_tokens"], 1))
+    result["texts"] = [g.new_tokens for g in gens]
+    return result
+
+
+def baseline_stats(plain) -> dict:
+    tokens = sum(len(g.new_tokens) for g in plain)
+    seconds = sum(g.target_seconds for g in plain)
+    return {"new_tokens": tokens, "target_forwards": sum(g.target_forwards for g in plain), "seconds": seconds,
+            # the first token of each prompt comes from the prefill, as for speculative decoding
+            "seconds_per_token": seconds / max(tokens, 1)}
