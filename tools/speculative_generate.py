@@ -3,8 +3,11 @@
     python tools/speculative_generate.py --checkpoint checkpoints/tiny_jsonl --prompts prompts.jsonl \
         --gamma 3 --temperature 1.0 --max-new-tokens 128 --seed 0 --json out.json
 
-The MTP chain drafts --gamma tokens (step k+1 gets step k's hidden state after the MTP final
-norm, as Megatron trains it and SGLang / vLLM run it, and the token drafted at step k), the
+--checkpoint is a training checkpoint or a full export directory of tools/convert_to_hf.py
+(imported in memory as tools/convert_from_hf.py imports it; fp32). The MTP chain drafts
+--gamma tokens (step k+1 gets step k's hidden state after the MTP final norm, as Megatron
+trains it and SGLang / vLLM run it, or before it with --handoff pre_norm, and the token
+drafted at step k), the
 target verifies them all in one forward, and --mode rs accepts by rejection sampling
 (min(1, p/q), resample from norm(max(0, p - q)), a bonus token when all are accepted) or
 --mode to target-only (greedy drafts accepted with p(draft)). Top-p is off. Prompt lines as
@@ -38,7 +41,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.split("\n")[1:]))
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="training save.dir (its latest checkpoint) or one iter_N directory")
+                        help="training save.dir (its latest checkpoint), one iter_N directory, or a full export "
+                             "directory of tools/convert_to_hf.py (imported in memory, fp32)")
+    parser.add_argument("--handoff", choices=("post_norm", "pre_norm"), default=None,
+                        help="what draft step k hands step k+1: post_norm (after the MTP final norm: SGLang, and "
+                             "vLLM since PR #45895) or pre_norm (DeepSeek-V3 / GLM-4.5 drafts in vLLM before it); "
+                             "default the checkpoint's trained mtp.next_step_input, post_norm for an export")
     parser.add_argument("--prompts", required=True, metavar="FILE", help="prompts JSONL")
     parser.add_argument("--gamma", type=int, default=3,
                         help="drafted tokens per verification (default 3); above mtp.num_steps only when one MTP "
@@ -82,7 +90,7 @@ def main(argv=None) -> dict:
     from bebop_megatron.speculative.megatron_model import MegatronSpecModel
     from bebop_megatron.speculative.session import load, prompt_ids, run_config, stop_ids_of
 
-    model, cfg = load(args.checkpoint, "cpu")
+    model, cfg = load(args.checkpoint, "cpu", handoff=args.handoff)
     spec = MegatronSpecModel(model, cfg.model.vocab_size)
     if args.gamma > spec.max_gamma():
         raise ValueError(f"--gamma {args.gamma} exceeds the checkpoint's {spec.num_steps} MTP layers")

@@ -9,6 +9,7 @@ Written next to the checkpoint: ``hf/`` (the source ``config.json`` and tokenize
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from omegaconf import OmegaConf
@@ -89,10 +90,25 @@ def copy_last_layer(tensors: dict, num_layers: int, num_mtp: int, layer_types=No
     return out
 
 
-def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = None, mtp_init: str = "random",
-                    make_vocab_size_divisible_by: int = 128, max_tensor_parallel: int = 8,
-                    progress: bool = True, log=print) -> dict:
-    """Write ``out_dir`` (a distributed checkpoint); returns the model/mtp config sections."""
+@dataclass
+class ImportedModel:
+    """A Hugging Face model built as a Megatron model in memory (``load_hf_model``)."""
+
+    model: torch.nn.Module
+    cfg: object  # the Config it was built with
+    hf: HFModel
+    model_cfg: dict  # the ``model:`` section a training config needs
+    num_mtp: int
+    steps: int
+    rows: int  # padded vocabulary rows
+    vision: dict  # Qwen3.5's vision tower tensors (not part of the Megatron model)
+
+
+def load_hf_model(hf_dir: str, *, mtp_num_steps: int | None = None, mtp_init: str = "random",
+                  next_step_input: str = "post_norm", make_vocab_size_divisible_by: int = 128,
+                  max_tensor_parallel: int = 8, progress: bool = True, log=print) -> ImportedModel:
+    """Build ``hf_dir`` as a single-process Megatron model (CPU, fp32) with its weights; the
+    MTP layers are imported when the checkpoint has them (else new, per ``mtp_init``)."""
     from tqdm import tqdm
 
     if mtp_init not in MTP_INITS:
@@ -101,8 +117,6 @@ def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = No
     w = HFWeights(hf_dir)
     if hf.family in qwen_config.QWEN_HYBRID:  # MTP weights are often left out (e.g. transformers' save)
         hf.num_mtp_layers = _qwen_mtp_layers(w, hf, log)
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "metadata.json")):
-        raise ConvertError(f"--out {out_dir} exists and is not a Megatron checkpoint; refusing to overwrite it")
     num_mtp = hf.num_mtp_layers or 1
     # One MTP layer (imported or new) is reused for every step; several distinct layers run one step each.
     steps = mtp_num_steps or (num_mtp if num_mtp > 1 else DEFAULT_MTP_STEPS)
@@ -110,7 +124,7 @@ def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = No
         raise ConvertError(f"the checkpoint has {num_mtp} MTP layers: --mtp-num-steps must be {num_mtp}")
     rows = padded_vocab(hf.vocab_size, make_vocab_size_divisible_by, max_tensor_parallel)
     model_cfg = model_overrides(hf, rows, make_vocab_size_divisible_by)
-    cfg = megatron_io.make_config(model_cfg, num_mtp, steps)
+    cfg = megatron_io.make_config(model_cfg, num_mtp, steps, next_step_input)
     tensors = hf_to_megatron(w, hf, rows, progress)
     if not hf.num_mtp_layers and mtp_init == "copy_last_layer":
         tensors.update(copy_last_layer(tensors, hf.num_layers, num_mtp, hf.layer_types))
@@ -132,6 +146,21 @@ def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = No
                 raise ConvertError(f"shape mismatch for {name}: checkpoint {tuple(t.shape)}, "
                                    f"config.json implies {tuple(target[name].shape)}")
             params[name].copy_(t)
+    return ImportedModel(model, cfg, hf, model_cfg, num_mtp, steps, rows, vision)
+
+
+def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = None, mtp_init: str = "random",
+                    make_vocab_size_divisible_by: int = 128, max_tensor_parallel: int = 8,
+                    progress: bool = True, log=print) -> dict:
+    """Write ``out_dir`` (a distributed checkpoint); returns the model/mtp config sections."""
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "metadata.json")):
+        raise ConvertError(f"--out {out_dir} exists and is not a Megatron checkpoint; refusing to overwrite it")
+    imported = load_hf_model(hf_dir, mtp_num_steps=mtp_num_steps, mtp_init=mtp_init,
+                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                             max_tensor_parallel=max_tensor_parallel, progress=progress, log=log)
+    model, hf, model_cfg, num_mtp, steps, rows, vision = (
+        imported.model, imported.hf, imported.model_cfg, imported.num_mtp, imported.steps, imported.rows,
+        imported.vision)
     megatron_io.save(out_dir, model)
 
     sections = {"model": model_cfg, "mtp": {"num_layers": num_mtp, "num_steps": steps}}

@@ -1,10 +1,13 @@
-"""Load a training checkpoint for speculative decoding and run it over prompts (the logic of
-``tools/speculative_generate.py`` and ``benchmarks/real_model/speculative.py``).
+"""Load a training checkpoint or an export directory for speculative decoding and run it
+over prompts (the logic of ``tools/speculative_generate.py`` and
+``benchmarks/real_model/speculative.py``).
 
-The checkpoint is read as ``tools/eval_acceptance.py`` reads it: the run's config from the
-checkpoint, the backbone from its ``model.backbone_checkpoint`` / ``model.init_checkpoint``
-(or the same seeded random initialisation), the trained MTP layers from the checkpoint;
-single process, TP=1, PP=1.
+A training checkpoint is read as ``tools/eval_acceptance.py`` reads it: the run's config from
+the checkpoint, the backbone from its ``model.backbone_checkpoint`` / ``model.init_checkpoint``
+(or the same seeded random initialisation), the trained MTP layers from the checkpoint. An
+export directory of ``tools/convert_to_hf.py`` (full, not ``--mtp-only``) is imported in
+memory with the importer of ``tools/convert_from_hf.py``, its MTP layers included. Single
+process, TP=1, PP=1.
 """
 
 from __future__ import annotations
@@ -20,8 +23,18 @@ from bebop_megatron.speculative.decoding import Generation, autoregressive_steps
 from bebop_megatron.speculative.measure import measured, predicted, teacher_forced_alphas
 
 
+def is_export(path: str) -> bool:
+    """An export directory of ``tools/convert_to_hf.py`` (a Hugging Face layout: ``config.json``
+    and safetensors) rather than a training checkpoint."""
+    return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "latest")) \
+        and not os.path.isfile(os.path.join(path, "metadata.json"))
+
+
 def resolve_checkpoint(path: str) -> str:
-    """A save.dir (its ``latest``) or one ``iter_N`` directory, checked with plain ``os``."""
+    """A save.dir (its ``latest``), one ``iter_N`` directory, or an export directory, checked
+    with plain ``os``."""
+    if is_export(path):
+        return path
     marker = os.path.join(path, "latest")
     if os.path.isfile(marker):
         with open(marker) as f:
@@ -31,12 +44,55 @@ def resolve_checkpoint(path: str) -> str:
         raise ValueError(f"checkpoint not found: {marker} names {found}, which is not a complete checkpoint")
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return path
-    raise ValueError(f"checkpoint not found: {path} (expected a save.dir with 'latest' or an iter_N directory)")
+    raise ValueError(f"checkpoint not found: {path} (expected a save.dir with 'latest', an iter_N directory, or an "
+                     "export directory of tools/convert_to_hf.py with config.json)")
 
 
-def load(checkpoint: str, device: str = "cpu", precision: str | None = None):
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_export(path: str, device: str = "cpu", handoff: str = "post_norm", num_steps: int | None = None):
+    """``(model, cfg)`` from a full export directory (tools/convert_to_hf.py): imported in memory
+    as tools/convert_from_hf.py imports it (fp32, TP=1), its MTP layers included. ``handoff``:
+    what draft step k hands step k+1 (``post_norm``, as current vLLM and SGLang run every
+    format; ``pre_norm`` for DeepSeek-V3 / GLM-4.5 drafts in vLLM before PR #45895); the
+    export itself does not record it."""
+    from bebop_megatron.convert.errors import ConvertError
+    from bebop_megatron.convert.handoff import HANDOFFS
+    from bebop_megatron.convert.hf_io import HFWeights
+    from bebop_megatron.convert.importer import load_hf_model
+
+    if device != "cpu":
+        raise ValueError("an export directory is imported on the CPU; pass device cpu")
+    if handoff not in HANDOFFS:
+        raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, got {handoff!r}")
+    backbone = ("model.layers.0.", "model.language_model.layers.0.")
+    if not any(k.startswith(backbone) for k in HFWeights(path).keys()):
+        raise ValueError(f"{path} holds no backbone layers (an --mtp-only export?): speculative decoding needs the "
+                         "target model too; export without --mtp-only, or pass the training checkpoint")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        raise ValueError(f"{path} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)}); the prompts' chat template "
+                         "comes from the model's tokenizer")
+    try:
+        imported = load_hf_model(path, mtp_num_steps=num_steps, next_step_input=handoff, progress=False,
+                                 log=lambda line: print(line, file=sys.stderr, flush=True))
+    except ConvertError as err:
+        raise ValueError(f"{path}: {err}") from None
+    cfg = imported.cfg
+    cfg.data.tokenizer = os.path.abspath(path)
+    if not imported.hf.num_mtp_layers:
+        raise ValueError(f"{path} holds no MTP layers ({imported.hf.family}); export the trained heads with "
+                         "tools/convert_to_hf.py")
+    imported.model.eval()
+    return imported.model, cfg
+
+
+def load(checkpoint: str, device: str = "cpu", precision: str | None = None, handoff: str | None = None):
     """``(model, cfg)``: the trained model at TP=1, PP=1 in eval mode; ``precision`` (fp32 or
-    bf16) replaces the run's (dist checkpointing casts the stored weights on load)."""
+    bf16) replaces the run's (dist checkpointing casts the stored weights on load). An export
+    directory goes to :func:`load_export` instead. ``handoff`` (``post_norm`` / ``pre_norm``):
+    what draft step k hands step k+1, as the chosen engine runs it; default the trained
+    ``mtp.next_step_input`` (``post_norm`` for an export, which does not record it)."""
     from omegaconf import OmegaConf
 
     from bebop_megatron.config import load_config
@@ -49,6 +105,10 @@ def load(checkpoint: str, device: str = "cpu", precision: str | None = None):
     from bebop_megatron.training.resume import damage
 
     path = resolve_checkpoint(checkpoint)
+    if is_export(path):
+        if precision not in (None, "fp32"):
+            raise ValueError("an export directory is imported in fp32")
+        return load_export(path, device, handoff or "post_norm")
     _, world = init_distributed(device)
     if world != 1:
         raise ValueError("speculative decoding runs in one process (TP=1); launch without torchrun")
@@ -70,6 +130,12 @@ def load(checkpoint: str, device: str = "cpu", precision: str | None = None):
         overrides.append(f"precision={precision}")
     elif saved.get("precision") == "fp8":
         overrides.append("precision=bf16")
+    if handoff is not None:
+        from bebop_megatron.convert.handoff import HANDOFFS
+
+        if handoff not in HANDOFFS:
+            raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, got {handoff!r}")
+        overrides.append(f"mtp.next_step_input={handoff}")
     cfg = load_config(None, overrides, defaults=saved)
     setup_parallel(cfg, world)
     # A run on the fitted synthetic backbone (model.backbone_init=fit_synthetic): rebuilt when its
