@@ -213,22 +213,6 @@ def cost_model(args, cfg, model, gamma: int, device: str):
     return costs
 
 
-def load_model(cfg, ckpt_path: str, device: str):
-    """Build the model as the trainer does, then load the backbone and the trained MTP layers."""
-    from bebop_megatron.model import build_model
-    from bebop_megatron.training import checkpoint as ckpt
-
-    model = build_model(cfg, device)
-    if cfg.model.backbone_checkpoint:
-        ckpt.load_model_weights(cfg.model.backbone_checkpoint, model, backbone_only=True)
-    elif cfg.model.init_checkpoint:
-        ckpt.load_model_weights(cfg.model.init_checkpoint, model, backbone_only=False)
-    # A training checkpoint holds the MTP weights (and optimizer), not the frozen backbone.
-    ckpt.load_mtp_weights(ckpt_path, model)
-    model.eval()
-    return model
-
-
 # ----------------------------------------------------------------------------- evaluation
 
 
@@ -304,6 +288,7 @@ def evaluate(args) -> dict | None:
     from bebop_megatron.training import synthetic_backbone
     from bebop_megatron.metrics.report import AcceptanceReport
     from bebop_megatron.platform import init_distributed, resolve_device
+    from bebop_megatron.training.checkpoint import load_trained_model
     from bebop_megatron.training.parallel import setup_parallel
 
     ckpt_path = resolve_checkpoint(args.checkpoint)
@@ -320,7 +305,7 @@ def evaluate(args) -> dict | None:
     if dataset is None or len(dataset) == 0:
         raise ValueError(f"no held-out rows in {args.data}")
     synthetic_backbone.prepare(cfg, rank)  # a fitted synthetic backbone missing from the cache is rebuilt
-    model = load_model(cfg, ckpt_path, device)
+    model = load_trained_model(cfg, ckpt_path, device)
     comm = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 
     tp_group = parallel_state.get_tensor_model_parallel_group()

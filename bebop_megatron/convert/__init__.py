@@ -4,8 +4,10 @@
 - ``layers``: the decoder-layer key map (fused QKV and gate/up split and joined; MLA one to one).
 - ``formats``: one explicit MTP key map per export format (``mimo``, ``glm4_moe``, ``deepseek``;
   ``qwen3_next`` / ``qwen3_5`` in ``qwen3_next.py`` / ``qwen3_5.py``, hybrid configs in ``qwen_config.py``).
-- ``handoff``: what draft step k hands step k+1 in training and in each engine (``engine_handoffs``).
-- ``importer`` / ``exporter``: the two directions; ``verify``: the independent K-step MTP forward
+- ``handoff``: what draft step k hands step k+1 in training and in each engine (``engine_handoffs``);
+  ``serve``: the NextN serve command the GLM, DeepSeek and Qwen exports print.
+- ``importer`` / ``exporter``: the two directions (``importer.load_hf_model`` builds an HF
+  directory in memory, as ``tools/speculative_generate.py`` reads an export); ``verify``: the independent K-step MTP forward
   (``qwen_verify``: the Qwen3-Next / Qwen3.5 reference, registered there).
 
 Conversions run in one process at TP=1: Megatron's distributed checkpointing reshards the

@@ -14,6 +14,7 @@ from bebop_megatron.convert.hf_config import LayerShape
 from bebop_megatron.convert.layers import layer_to_hf, layer_to_megatron
 from bebop_megatron.convert.qwen3_5 import Qwen3_5
 from bebop_megatron.convert.qwen3_next import Qwen3Next
+from bebop_megatron.convert.serve import nextn_serve_command
 
 TARGETS = ("vllm", "sglang")
 
@@ -302,7 +303,7 @@ class Glm4Moe:
 
     @staticmethod
     def serve(out: str, target: str, mtp_only: bool, target_model: str, num_mtp: int, num_steps: int = 3) -> str:
-        return _serve_nextn(out, target, mtp_only, target_model, num_steps)
+        return nextn_serve_command(out, target, mtp_only, target_model, num_steps)
 
 
 class DeepSeek(Glm4Moe):
@@ -326,16 +327,6 @@ class DeepSeek(Glm4Moe):
         cfg.setdefault("scoring_func", "sigmoid")
         cfg.setdefault("topk_method", "noaux_tc")
         return cfg
-
-
-def _serve_nextn(out: str, target: str, mtp_only: bool, target_model: str, num_steps: int) -> str:
-    if target == "vllm":
-        draft = f', "model": "{out}"' if mtp_only else ""
-        return (f"vllm serve {target_model} --speculative-config '{{\"method\": \"mtp\", "
-                f"\"num_speculative_tokens\": {num_steps}{draft}, \"draft_sample_method\": \"probabilistic\"}}'")
-    return (f"python -m sglang.launch_server --model-path {target_model} --speculative-algorithm NEXTN "
-            f"--speculative-draft-model-path {out} --speculative-num-steps {num_steps} --speculative-eagle-topk 1 "
-            f"--speculative-num-draft-tokens {num_steps + 1} --speculative-use-rejection-sampling")
 
 
 FORMATS = {"mimo": MiMo, "glm4_moe": Glm4Moe, "deepseek": DeepSeek, "qwen3_next": Qwen3Next, "qwen3_5": Qwen3_5}

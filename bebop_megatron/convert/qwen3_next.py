@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from bebop_megatron.convert.errors import ConvertError
 from bebop_megatron.convert.layers import layer_to_hf, layer_to_megatron
+from bebop_megatron.convert.serve import nextn_serve_command
 
 # Megatron name (under mtp.layers.{i}.) -> HF name (under mtp.)
 MTP_NAMES = {"enorm.weight": "pre_fc_norm_embedding.weight", "hnorm.weight": "pre_fc_norm_hidden.weight",
@@ -156,10 +157,4 @@ class Qwen3Next:
     def serve(out: str, target: str, mtp_only: bool, target_model: str, num_mtp: int, num_steps: int = 3) -> str:
         """Rejection sampling on: vLLM's probabilistic draft sampling, SGLang's flag (topk 1). Both
         engines reuse the one MTP layer for every one of the ``num_steps`` draft tokens."""
-        if target == "vllm":
-            draft = f', "model": "{out}"' if mtp_only else ""
-            return (f"vllm serve {target_model} --speculative-config '{{\"method\": \"mtp\", "
-                    f"\"num_speculative_tokens\": {num_steps}{draft}, \"draft_sample_method\": \"probabilistic\"}}'")
-        return (f"python -m sglang.launch_server --model-path {target_model} --speculative-algorithm NEXTN "
-                f"--speculative-draft-model-path {out} --speculative-num-steps {num_steps} --speculative-eagle-topk 1 "
-                f"--speculative-num-draft-tokens {num_steps + 1} --speculative-use-rejection-sampling")
+        return nextn_serve_command(out, target, mtp_only, target_model, num_steps)

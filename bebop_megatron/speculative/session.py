@@ -96,7 +96,6 @@ def load(checkpoint: str, device: str = "cpu", precision: str | None = None, han
     from omegaconf import OmegaConf
 
     from bebop_megatron.config import load_config
-    from bebop_megatron.model import build_model
     from bebop_megatron.platform import init_distributed
     from bebop_megatron.training import checkpoint as ckpt
     from bebop_megatron.training import synthetic_backbone
@@ -141,14 +140,7 @@ def load(checkpoint: str, device: str = "cpu", precision: str | None = None, han
     # A run on the fitted synthetic backbone (model.backbone_init=fit_synthetic): rebuilt when its
     # cache entry is missing, as tools/eval_acceptance.py does.
     synthetic_backbone.prepare(cfg, 0, log=lambda line: print(line, file=sys.stderr, flush=True))
-    model = build_model(cfg, device)
-    if cfg.model.backbone_checkpoint:
-        ckpt.load_model_weights(cfg.model.backbone_checkpoint, model, backbone_only=True)
-    elif cfg.model.init_checkpoint:
-        ckpt.load_model_weights(cfg.model.init_checkpoint, model, backbone_only=False)
-    ckpt.load_mtp_weights(path, model)
-    model.eval()
-    return model, cfg
+    return ckpt.load_trained_model(cfg, path, device), cfg
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -416,3 +416,20 @@ def load_model_weights(path: str, model, backbone_only: bool) -> None:
     if not os.path.isdir(path):
         raise ValueError(f"model checkpoint directory not found: {path}")
     _load_filtered(path, model, _is_backbone_key if backbone_only else (lambda k: True))
+
+
+def load_trained_model(cfg, ckpt_path: str, device):
+    """Build the model as the trainer does (``cfg`` after ``setup_parallel``), load the backbone
+    (``model.backbone_checkpoint``, ``model.init_checkpoint``, or the seeded initialisation)
+    and the trained MTP layers of ``ckpt_path``; eval mode. A training checkpoint holds the
+    MTP weights (and optimizer), not the frozen backbone."""
+    from bebop_megatron.model import build_model
+
+    model = build_model(cfg, device)
+    if cfg.model.backbone_checkpoint:
+        load_model_weights(cfg.model.backbone_checkpoint, model, backbone_only=True)
+    elif cfg.model.init_checkpoint:
+        load_model_weights(cfg.model.init_checkpoint, model, backbone_only=False)
+    load_mtp_weights(ckpt_path, model)
+    model.eval()
+    return model

@@ -38,6 +38,7 @@ def main() -> None:
     from bebop_megatron.metrics.report import SUM_KEYS, AcceptanceReport
     from bebop_megatron.platform import init_distributed
     from bebop_megatron.training.loss import STAT_ROWS, mtp_loss
+    from bebop_megatron.training.checkpoint import load_trained_model
     from bebop_megatron.training.parallel import setup_parallel
 
     args = tool.parse_args(["--checkpoint", cli.checkpoint, "--data", cli.data, "--device", "cpu",
@@ -47,7 +48,7 @@ def main() -> None:
     cfg = tool.eval_config(path, args, world, "cpu")
     setup_parallel(cfg, world)
     K = cfg.mtp.num_steps
-    model = tool.load_model(cfg, path, "cpu")
+    model = load_trained_model(cfg, path, "cpu")
     dataset = build_valid_dataset(cfg, progress=False, log=lambda *_: None)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     report = AcceptanceReport([1.0], K, K, [0.0, 100.0])
