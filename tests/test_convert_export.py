@@ -16,7 +16,8 @@ transformers' classes, are imported with ``tools/convert_from_hf.py``. Checked:
 - the independent forward is sensitive to the projection's concat order (a swapped
   ``input_proj`` changes the draft logits), so the verification would catch it;
 - export from the GLM checkpoint re-saved at PP=2 x TP=2 with SP and EP=2 equals export from
-  TP=1; export from a TP=2 training checkpoint (MTP weights only, plus ``--backbone``);
+  TP=1; export from a TP=2 training checkpoint (MTP weights only, plus ``--backbone``), and
+  ``tools/speculative_generate.py`` on the full export decodes exactly as on that checkpoint;
 - unsupported format/target combinations and missing inputs: one clear error line.
 
 The conversions and exports that need no multi-rank run execute in one process (the
@@ -25,6 +26,7 @@ The conversions and exports that need no multi-rank run execute in one process (
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -312,6 +314,30 @@ def test_export_from_training_checkpoint(batch, tmp_path):
     ckpt = str(save / (save / "latest").read_text())
     trained = trained_chain(ckpt, _training_common(ckpt))
     assert (trained.num_steps, trained.handoff, trained.source) == (2, "post_norm", "the training config")
+
+    # tools/speculative_generate.py on the full export (imported in memory) decodes exactly as on
+    # the training checkpoint: same texts, same accepted counts; the --mtp-only export is refused.
+    spec = ["--prompts", str(REPO / "examples" / "data" / "tiny_valid.jsonl"), "--limit", "2", "--gamma", "2",
+            "--max-new-tokens", "10", "--seed", "3"]
+    full = tmp_path / "full"
+    calls = [
+        {"tool": "convert_to_hf", "argv": ["--checkpoint", str(save), "--backbone", str(mimo / "megatron"),
+                                           "--format", "mimo", "--target", "sglang", "--no-verify", "--no-progress",
+                                           "--out", str(full)]},
+        {"tool": "speculative_generate", "argv": ["--checkpoint", str(save), *spec, "--json", str(tmp_path / "a")]},
+        {"tool": "speculative_generate", "argv": ["--checkpoint", str(full), *spec, "--json", str(tmp_path / "b")]},
+        {"tool": "speculative_generate", "argv": ["--checkpoint", str(tmp_path / "o"), *spec]},
+    ]
+    results = run_batch(calls, tmp_path / "batch")
+    for r in results[:3]:
+        ok(r)
+    from_ckpt, from_export = (json.loads((tmp_path / name).read_text()) for name in ("a", "b"))
+    assert from_export["texts"] == from_ckpt["texts"] and from_ckpt["new_tokens"] > 0
+    assert from_export["per_position"] == from_ckpt["per_position"]
+    assert from_export["measured_accept_len"] == from_ckpt["measured_accept_len"]
+    assert from_export["predicted_accept_len"] == pytest.approx(from_ckpt["predicted_accept_len"], abs=1e-5)
+    line = _error_line(results[3])
+    assert "holds no backbone layers" in line and "--mtp-only" in line
 
 
 def test_qwen2_copy_last_layer_as_mimo(batch):

@@ -11,9 +11,8 @@ Megatron model (``megatron_model.py``), against independent references.
 - A tiny trained Megatron checkpoint (``tests/helpers/speculative_case.py``): the cached
   backbone and the windowed MTP chain reproduce the model's full-sequence forward; the tool
   writes every JSON key; measured vs predicted accepted length (see the helper).
-- A tiny MiMo model imported, its MTP layer trained a step, exported (full, for SGLang):
-  the tool on the export directory generates exactly what it generates from the training
-  checkpoint, with the same acceptance counts; an ``--mtp-only`` export is refused.
+- The tool on an export directory: ``tests/test_convert_export.py``
+  (``test_export_from_training_checkpoint``).
 """
 
 from __future__ import annotations
@@ -234,41 +233,3 @@ def test_lockstep_equals_separate_runs():
     assert plain.tokens == plain_ref.tokens and spec.tokens == spec_ref.tokens
     assert [r.num_accepted for r in spec.rounds] == [r.num_accepted for r in spec_ref.rounds]
 
-
-def test_export_directory_equals_training_checkpoint(tmp_path):
-    """--checkpoint EXPORT_DIR (imported in memory) decodes exactly as the training checkpoint it
-    was exported from: same texts, same accepted counts per draft position."""
-    from tests.helpers.cli_batch import run_batch
-    from tests.helpers.convert_models import make_hf_model
-
-    hf = make_hf_model("mimo", tmp_path / "hf")
-    backbone, save = tmp_path / "megatron", tmp_path / "run"
-    run_script(str(REPO / "tools" / "convert_from_hf.py"), ["--hf-dir", str(hf), "--out", str(backbone),
-                                                            "--no-progress"], nproc=1)
-    run_script(str(REPO / "examples" / "pretrain_mtp.py"), [
-        "--config", str(backbone / "bebop_model.yaml"), "device=cpu", f"model.init_checkpoint={backbone}",
-        "train.steps=1", "train.micro_batch_size=2", "train.global_batch_size=2", "train.seq_length=16",
-        "train.lr=1e-2", f"save.dir={save}", "data.num_samples=4", "mtp.num_steps=2"], nproc=1)
-    export = [f"--checkpoint={save}", f"--backbone={backbone}", "--format=mimo", "--target=sglang", "--no-verify",
-              "--no-progress"]
-    spec = ["--prompts", str(REPO / "examples" / "data" / "tiny_valid.jsonl"), "--limit", "2", "--gamma", "2",
-            "--max-new-tokens", "10", "--seed", "3"]
-    calls = [
-        {"tool": "convert_to_hf", "argv": [*export, f"--out={tmp_path / 'full'}"]},
-        {"tool": "convert_to_hf", "argv": [*export, "--mtp-only", f"--out={tmp_path / 'draft'}"]},
-        {"tool": "speculative_generate", "argv": ["--checkpoint", str(save), *spec, "--json", str(tmp_path / "a")]},
-        {"tool": "speculative_generate", "argv": ["--checkpoint", str(tmp_path / "full"), *spec,
-                                                  "--json", str(tmp_path / "b")]},
-        {"tool": "speculative_generate", "argv": ["--checkpoint", str(tmp_path / "draft"), *spec]},
-    ]
-    results = run_batch(calls, tmp_path / "batch")
-    for r in results[:4]:
-        assert r.returncode == 0, r.stderr[-3000:]
-    from_ckpt, from_export = (json.loads((tmp_path / name).read_text()) for name in ("a", "b"))
-    assert from_export["texts"] == from_ckpt["texts"] and from_ckpt["new_tokens"] > 0
-    assert from_export["per_position"] == from_ckpt["per_position"]
-    assert from_export["measured_accept_len"] == from_ckpt["measured_accept_len"]
-    assert from_export["predicted_accept_len"] == pytest.approx(from_ckpt["predicted_accept_len"], abs=1e-5)
-    refused = results[4]
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert "holds no backbone layers" in refused.stderr and "--mtp-only" in refused.stderr
