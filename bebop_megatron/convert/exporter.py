@@ -128,12 +128,13 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     bb_shapes = megatron_io.checkpoint_shapes(bb) if bb != ckpt else shapes
     if not megatron_io.has_backbone(bb_shapes):
         raise ConvertError(f"--backbone {bb} holds no backbone weights")
-    hf = describe(read_config(_hf_dir(hf_dir, [backbone, checkpoint, bb])))
+    source = _hf_dir(hf_dir, [backbone, checkpoint, bb])  # the source config.json, tokenizer (and vision tower)
+    hf = describe(read_config(source))
     fmt.check(hf.layer, hf.family, num_mtp, target, mtp_only)
     config = fmt.hf_config(hf.config, num_mtp, target, mtp_only)
     vision = {}  # Qwen3.5's multimodal layout: the vision tower, passed through unchanged (full export)
     if issubclass(fmt, Qwen3Next) and not mtp_only:
-        vision = vision_tensors(hf_dir or _hf_dir(None, [backbone, checkpoint, bb]), config)
+        vision = vision_tensors(source, config)
     rows = bb_shapes["embedding.word_embeddings.weight"][0]
     if rows < hf.vocab_size:
         raise ConvertError(f"checkpoint vocabulary {rows} < config.json vocab_size {hf.vocab_size}")
@@ -161,8 +162,7 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     for name, text in getattr(fmt, "extra_files", {}).items():
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(text)
-    tok_src = hf_dir or _hf_dir(None, [backbone, checkpoint, bb])
-    copy_tokenizer(tok_src, out_dir)
+    copy_tokenizer(source, out_dir)
     summary = {"tensors": len(tensors), "num_mtp_layers": num_mtp, "num_steps": K, "handoff": engine}
     if verify:
         if hf.dtype != torch.float32:  # compare like with like: the written weights are rounded
