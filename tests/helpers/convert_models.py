@@ -56,6 +56,17 @@ def hf_config(family: str):
     raise ValueError(family)
 
 
+def split_experts(sd: dict, num_experts: int, inter: int) -> None:
+    """transformers' fused ``mlp.experts.gate_up_proj`` / ``down_proj`` of a decoder layer's
+    state dict -> one ``gate_proj`` / ``up_proj`` / ``down_proj`` per expert, as the
+    checkpoints store them (in place)."""
+    gate_up, down = sd.pop("mlp.experts.gate_up_proj"), sd.pop("mlp.experts.down_proj")
+    for j in range(num_experts):
+        sd[f"mlp.experts.{j}.gate_proj.weight"] = gate_up[j, :inter]
+        sd[f"mlp.experts.{j}.up_proj.weight"] = gate_up[j, inter:]
+        sd[f"mlp.experts.{j}.down_proj.weight"] = down[j]
+
+
 def glm_mtp_tensors(cfg, model, num_mtp: int, seed: int = 7) -> dict[str, torch.Tensor]:
     """GLM-4.5 / DeepSeek-V3 NextN layers ``model.layers.{N+i}`` as the published checkpoints
     store them (per-expert names; embedding and head copies in each layer)."""
@@ -70,12 +81,7 @@ def glm_mtp_tensors(cfg, model, num_mtp: int, seed: int = 7) -> dict[str, torch.
     for i in range(num_mtp):
         p = f"model.layers.{N + i}."
         sd = DecoderLayer(cfg, layer_idx=N + i).state_dict()
-        gate_up, down = sd.pop("mlp.experts.gate_up_proj"), sd.pop("mlp.experts.down_proj")
-        inter = cfg.moe_intermediate_size
-        for j in range(cfg.n_routed_experts):
-            sd[f"mlp.experts.{j}.gate_proj.weight"] = gate_up[j, :inter]
-            sd[f"mlp.experts.{j}.up_proj.weight"] = gate_up[j, inter:]
-            sd[f"mlp.experts.{j}.down_proj.weight"] = down[j]
+        split_experts(sd, cfg.n_routed_experts, cfg.moe_intermediate_size)
         for name, t in sd.items():
             out[p + name] = torch.randn(t.shape, generator=g) * (0.1 if t.dim() > 1 else 0.2) + (t.dim() == 1)
         out[p + "mlp.gate.e_score_correction_bias"] = 0.1 * torch.randn(cfg.n_routed_experts, generator=g)

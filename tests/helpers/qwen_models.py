@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.convert_models import split_experts
 from tests.helpers.data import make_hf_tokenizer
 
 QWEN_FAMILIES = ("qwen3_5", "qwen3_5_mm", "qwen3_5_moe", "qwen3_next")
@@ -45,12 +46,7 @@ def mtp_tensors(cfg, seed: int = 7) -> dict[str, torch.Tensor]:
     layer_cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), prefix + "DecoderLayer")
     sd = layer_cls(cfg, layer_idx=cfg.layer_types.index("full_attention")).state_dict()
     if "mlp.experts.gate_up_proj" in sd:  # per-expert names, as the checkpoints store them
-        gate_up, down = sd.pop("mlp.experts.gate_up_proj"), sd.pop("mlp.experts.down_proj")
-        inter = cfg.moe_intermediate_size
-        for j in range(cfg.num_experts):
-            sd[f"mlp.experts.{j}.gate_proj.weight"] = gate_up[j, :inter]
-            sd[f"mlp.experts.{j}.up_proj.weight"] = gate_up[j, inter:]
-            sd[f"mlp.experts.{j}.down_proj.weight"] = down[j]
+        split_experts(sd, cfg.num_experts, cfg.moe_intermediate_size)
     g = torch.Generator().manual_seed(seed)
     H = cfg.hidden_size
     out = {f"mtp.layers.0.{k}": torch.randn(t.shape, generator=g) * (0.1 if t.dim() > 1 else 0.2) for k, t in sd.items()}
