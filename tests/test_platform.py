@@ -229,3 +229,43 @@ def test_transformer_engine_auto_and_local_on_cpu():
     assert use_transformer_engine(load_config(None, ["model.transformer_impl=auto"]), "cpu") is False
     assert use_transformer_engine(load_config(None, ["model.transformer_impl=local"]), "cpu") is False
     assert use_transformer_engine(load_config(None, ["model.transformer_impl=local"]), "cuda") is False
+
+
+# ----------------------------------------------------------------------------- bf16 on a CPU
+
+
+def test_cpu_bf16_is_refused_without_native_bf16(tmp_path, monkeypatch):
+    from bebop_megatron.training import precision as prec
+
+    monkeypatch.delenv(prec.ALLOW_SLOW_BF16, raising=False)
+    avx2 = {"sse4_2", "avx", "avx2", "fma"}
+    with pytest.raises(ValueError, match=r"^precision=bf16 on this CPU: .*set precision=fp32"):
+        prec.check_cpu_bf16("cpu", "bf16", flags=avx2)
+    prec.check_cpu_bf16("cpu", "bf16", flags=avx2 | {"avx512f", "avx512_bf16"})  # native bf16: runs
+    prec.check_cpu_bf16("cpu", "bf16", flags=avx2 | {"amx_bf16"})
+    prec.check_cpu_bf16("cpu", "fp32", flags=avx2)
+    prec.check_cpu_bf16("cuda", "bf16", flags=avx2)
+    prec.check_cpu_bf16("cpu", "bf16", flags={"fp", "asimd", "bf16"})  # an Arm flag list: no basis to refuse
+    assert prec.cpu_has_native_bf16({"fp", "asimd"}) is None
+    monkeypatch.setenv(prec.ALLOW_SLOW_BF16, "1")
+    prec.check_cpu_bf16("cpu", "bf16", flags=avx2)
+    # /proc/cpuinfo's first "flags" line is what is read.
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert prec.cpu_flags(str(info)) == {"fpu", "sse4_2", "avx2", "avx512_bf16"}
+    assert prec.cpu_flags(str(tmp_path / "missing")) is None
+
+
+def test_trainer_refuses_cpu_bf16_before_building(monkeypatch):
+    """The trainer stops at once, before data, model or checkpoint are touched."""
+    from bebop_megatron.config import load_config
+    from bebop_megatron.training import Trainer, precision as prec
+
+    monkeypatch.delenv(prec.ALLOW_SLOW_BF16, raising=False)
+    monkeypatch.setattr(prec, "cpu_flags", lambda path="/proc/cpuinfo": {"sse4_2", "avx2"})
+    built = []
+    monkeypatch.setattr("bebop_megatron.training.trainer.build_model", lambda *a, **k: built.append(1))
+    cfg = load_config(None, ["device=cpu", "precision=bf16", "save.dir=null"])
+    with pytest.raises(ValueError, match="set precision=fp32"):
+        Trainer(cfg)
+    assert not built

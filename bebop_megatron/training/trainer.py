@@ -41,6 +41,7 @@ from bebop_megatron.training.loss import STAT_ROWS, mtp_loss
 from bebop_megatron.training.monitor import Monitor, eval_scalars, peak_memory_gib, step_scalars
 from bebop_megatron.training.optim import build_optimizer, finalize_mtp_grads, wrap_ddp
 from bebop_megatron.training.parallel import setup_parallel
+from bebop_megatron.training.precision import check_cpu_bf16
 from bebop_megatron.training.resume import agree_on_start
 from bebop_megatron.training.schedule import run_microbatches
 from bebop_megatron.training.signals import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
@@ -116,6 +117,7 @@ class Trainer:
             from bebop_megatron.training.precision import check_fp8_available
 
             check_fp8_available(self.device, cfg.fp8.recipe)
+        check_cpu_bf16(self.device, cfg.precision)
         if cfg.train.deterministic and self.device == "cpu":
             torch.use_deterministic_algorithms(True, warn_only=True)
         self.rank, self.world = init_distributed(self.device)

@@ -56,6 +56,7 @@ if [ $dry = 0 ]; then
   tests=(-m gpu --durations=5 tests/test_kernel_triton.py)
   limits=(90 120 270)
 else
+  export BEBOP_ALLOW_SLOW_BF16=1  # bf16 on the CPU at tiny sizes: slow GEMMs do not matter here
   loss=(--impls torch --device cpu --dtype bf16 --steps 3 --tokens 48 --hidden 32 --vocab 500 --chunk-tokens 32
         --iters 1 --warmup 0)
   step=(--device cpu --precision bf16 --layers 2 --hidden 64 --ffn 128 --heads 4 --groups 2 --vocab 256 --seq 32

@@ -44,6 +44,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from pipeline import REPO, PrepareError, cache_root, log, main_guard, run, torchrun  # noqa: E402
 
+from bebop_megatron.training.precision import cpu_has_native_bf16  # noqa: E402
+
 TEMPERATURES = (1.0, 0.7)
 GAMMA = 3
 INITS = ("random", "copy_last_layer", "identity")
@@ -228,6 +230,11 @@ def main(argv=None) -> None:
         scale = replace(scale, steps=args.steps)
     if args.init_steps is not None:
         scale = replace(scale, init_steps=args.init_steps)
+    if args.device == "cpu" and scale.precision == "bf16" and cpu_has_native_bf16() is False:
+        log("this CPU has no native bf16 (avx512_bf16/amx_bf16): training in fp32 (bf16 GEMMs crawl here)")
+        scale = replace(scale, precision="fp32")
+    if args.gen_dtype == "auto":
+        args.gen_dtype = "fp32" if args.device == "cpu" and cpu_has_native_bf16() is False else "bf16"
     objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
     bad = [o for o in objectives if o not in OBJECTIVES]
     if bad:
@@ -307,8 +314,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--scale", choices=sorted(SCALES), default="cpu", help="sizes of the run (default cpu)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--gen-dtype", choices=("fp32", "bf16"), default="bf16",
-                   help="dtype of response generation (default bf16)")
+    p.add_argument("--gen-dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="dtype of response generation (default auto: bf16, fp32 on a CPU without native bf16)")
     p.add_argument("--objectives", default="ce,e2e_tv", help=f"comma-separated, from {', '.join(OBJECTIVES)}")
     p.add_argument("--inits", default=",".join(DEFAULT_INITS),
                    help=f"mtp.init values of the init study, from {', '.join(INITS)} (default "
