@@ -162,3 +162,22 @@ def test_invalid_arguments():
     h, hb = torch.randn(2, 5, 1, 4), torch.randn(5, 1, 4)
     with pytest.raises(ValueError, match="lk_eta"):
         fused_linear_objective("lk", h, hb, torch.randn(7, 4), torch.ones(2, 5, 1, dtype=torch.bool), lk_eta=-1.0)
+
+
+def test_nla_kinds_run_on_the_triton_kernel(tmp_path):
+    """nla / e2e_nla use the Triton kernel's unchanged ``tv`` kind: impl="triton" (interpreted,
+    CPU) equals impl="torch" (lk / e2e_lk are torch only: refused above and by the config)."""
+    import json
+    import os
+    from unittest import mock
+
+    pytest.importorskip("triton")
+    from tests.helpers.launch import run_script
+
+    out = tmp_path / "result.json"
+    with mock.patch.dict(os.environ, {"TRITON_INTERPRET": "1"}):
+        run_script("cold_start_triton_case.py", ["--out", str(out)], nproc=1, timeout=300)
+    results = json.loads(out.read_text())
+    assert set(results) == {"nla", "e2e_nla"}
+    for kind, result in results.items():
+        assert result["ok"], f"{kind}: {result['errors']} above {result['tolerance']}"
