@@ -7,7 +7,8 @@ the vocabulary).
 
 All objectives share one normaliser (DESIGN.md section 1): position t's chain holds its
 K_t leading valid steps (a chain stops at its first invalid step), its loss L_t is divided
-by K, and ``reduction="mean"`` averages L_t over the positions with K_t >= 1 (a tensor
+by K (e2e_nla's L_t = -log(E[L]_t / K) holds its 1/K inside the log), and
+``reduction="mean"`` averages L_t over the positions with K_t >= 1 (a tensor
 count, 0 loss when there is none, no host sync); ``reduction="sum"`` returns sum_t L_t so
 the caller can divide by the count of the whole global batch.
 
