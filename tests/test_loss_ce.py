@@ -307,7 +307,7 @@ def test_mtp_ce_loss_all_chains_empty(megatron_single_process):
     assert torch.count_nonzero(hidden.grad) == 0
 
 
-@pytest.mark.parametrize("loss_type", ["e2e_tv", "tv", "kl", "reverse_kl"])
+@pytest.mark.parametrize("loss_type", ["e2e_tv", "tv", "kl", "reverse_kl", "nla", "e2e_nla", "lk", "e2e_lk"])
 def test_mtp_loss_targets_are_the_backbone_shifted_by_k(megatron_single_process, loss_type):
     """Step k at position t is trained toward the backbone's distribution at t + k."""
     from bebop_megatron.config import LossConfig
@@ -317,7 +317,7 @@ def test_mtp_loss_targets_are_the_backbone_shifted_by_k(megatron_single_process,
     B, S, H, V, K = 2, 13, 8, 23, 3
     hidden_64, weight_64, batch = _make_case(B, S, H, V, K, seed=11)
     hidden = hidden_64.float().requires_grad_(True)
-    cfg = LossConfig(type=loss_type, target_temperature=0.8, draft_temperature=1.2, chunk_tokens=5)
+    cfg = LossConfig(type=loss_type, target_temperature=0.8, draft_temperature=1.2, chunk_tokens=5, lk_eta=2.0)
     loss_sum, count, stats = mtp_loss(StandInModel(weight_64.float()), hidden, batch, K, megatron_single_process, cfg)
 
     # Reference: explicit loops over (k, t), float64.
@@ -330,7 +330,7 @@ def test_mtp_loss_targets_are_the_backbone_shifted_by_k(megatron_single_process,
         for t in range(S - k):
             target[k - 1, t] = logits_KSBV[0, t + k]
     args = (draft.flatten(1, 2), target.flatten(1, 2), valid.flatten(1))
-    ref_sum = reference.objective(loss_type, *args, 0.8, 1.2, reduction="sum")
+    ref_sum = reference.objective(loss_type, *args, 0.8, 1.2, reduction="sum", lk_eta=2.0)
     ref_stats = reference.stats(*args, 0.8, 1.2)
     assert int(count) == int(valid[0].sum())
     torch.testing.assert_close(loss_sum.double(), ref_sum, rtol=1e-5, atol=1e-6)

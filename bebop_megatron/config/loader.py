@@ -122,6 +122,9 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+LOSS_TYPES = ("e2e_tv", "tv", "kl", "reverse_kl", "nla", "e2e_nla", "lk", "e2e_lk", "ce")
+
+
 def _choice(value, name: str, choices: tuple) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} must be one of {', '.join(map(str, choices))}")
@@ -140,11 +143,15 @@ def validate(cfg: Config) -> None:
     _choice(m.family, "model.family", ("dense", "moe"))
     _choice(m.transformer_impl, "model.transformer_impl", ("auto", "local", "transformer_engine"))
     _choice(m.moe_token_dispatcher_type, "model.moe_token_dispatcher_type", ("alltoall", "allgather"))
-    _choice(cfg.loss.type, "loss.type", ("e2e_tv", "tv", "kl", "reverse_kl", "ce"))
+    _choice(cfg.loss.type, "loss.type", LOSS_TYPES)
+    if not cfg.loss.lk_eta > 0 or cfg.loss.lk_eta == float("inf"):
+        raise ConfigError(f"loss.lk_eta={cfg.loss.lk_eta!r} must be a finite number > 0")
     if cfg.loss.target_temperature <= 0 or cfg.loss.draft_temperature <= 0:
         raise ConfigError("loss.target_temperature and loss.draft_temperature must be > 0")
     _positive(cfg.loss.chunk_tokens, "loss.chunk_tokens")
     _choice(cfg.loss.impl, "loss.impl", ("torch", "triton"))
+    if cfg.loss.impl == "triton" and cfg.loss.type in ("lk", "e2e_lk"):
+        raise ConfigError(f"loss.type={cfg.loss.type} is implemented for loss.impl=torch only, not loss.impl=triton")
     if cfg.loss.impl == "triton" and cfg.device == "cpu":
         raise ConfigError("loss.impl=triton runs on CUDA only; use loss.impl=torch with device=cpu")
     _choice(t.lr_schedule, "train.lr_schedule", ("constant", "cosine"))

@@ -192,9 +192,15 @@ class ParallelConfig:
 class LossConfig:
     type: str = "e2e_tv"
     """MTP objective: ``e2e_tv`` (Eq. 13, the method), ``tv`` (per-step TV, Eq. 10), ``kl``
-    (forward KL(p||q)), ``reverse_kl`` (KL(q||p)), all against the frozen backbone's
-    distribution over the full vocabulary; or ``ce`` (cross-entropy on the data tokens,
-    Megatron's default MTP loss)."""
+    (forward KL(p||q)), ``reverse_kl`` (KL(q||p)), or the cold-start objectives (for heads
+    that start from nothing; DESIGN.md section 1) ``nla`` (-log alpha per step), ``e2e_nla``
+    (-log(E[L]/K) per chain), ``lk`` (lambda KL + (1 - lambda) TV per step, lambda =
+    exp(-lk_eta sg(alpha))), ``e2e_lk`` (the chain-level blend of KL and e2e TV), all against
+    the frozen backbone's distribution over the full vocabulary; or ``ce`` (cross-entropy on
+    the data tokens, Megatron's default MTP loss)."""
+    lk_eta: float = 3.0
+    """eta of ``lk`` / ``e2e_lk``: lambda = exp(-lk_eta x the detached acceptance), so a larger
+    eta hands over from KL to TV at a lower acceptance; > 0 (ignored by the other types)."""
     target_temperature: float = 1.0
     """Backbone logits are divided by it before the softmax."""
     draft_temperature: float = 1.0
@@ -204,7 +210,7 @@ class LossConfig:
     logits and temporaries to a few ``chunk_tokens x V_local`` buffers per MTP step."""
     impl: str = "torch"
     """Loss kernel: ``torch`` (chunked plain torch, any device) or ``triton`` (Triton kernels
-    tiled over the vocabulary; CUDA only)."""
+    tiled over the vocabulary; CUDA only; not for ``lk`` / ``e2e_lk``, which are torch only)."""
 
 
 @dataclass

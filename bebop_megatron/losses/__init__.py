@@ -1,4 +1,5 @@
-"""MTP training objectives on logits: e2e TV (Eq. 13), per-step TV (Eq. 10), forward and reverse KL.
+"""MTP training objectives on logits: e2e TV (Eq. 13), per-step TV (Eq. 10), forward and reverse KL,
+and the cold-start objectives nla, e2e_nla, lk, e2e_lk (``cold_start``).
 
 Exact over the full (tensor-parallel sharded) vocabulary, chunked over positions, with
 analytic backward. ``reference`` holds the float64 plain-torch definitions the tests use.
@@ -9,18 +10,25 @@ from bebop_megatron.losses.tv import (
     ACCEPT_LEN_KEYS,
     chain_lengths,
     chain_mask,
+    e2e_lk_loss,
+    e2e_nla_loss,
     e2e_tv_loss,
     forward_kl_loss,
     fused_linear_objective,
+    lk_loss,
+    nla_loss,
     reverse_kl_loss,
     tv_distance,
     tv_loss,
 )
 
-OBJECTIVES = {"e2e_tv": e2e_tv_loss, "tv": tv_loss, "kl": forward_kl_loss, "reverse_kl": reverse_kl_loss}
+OBJECTIVES = {
+    "e2e_tv": e2e_tv_loss, "tv": tv_loss, "kl": forward_kl_loss, "reverse_kl": reverse_kl_loss,
+    "nla": nla_loss, "e2e_nla": e2e_nla_loss, "lk": lk_loss, "e2e_lk": e2e_lk_loss,
+}
 
 __all__ = [
-    "ACCEPT_LEN_KEYS", "OBJECTIVES", "STAT_KEYS", "chain_lengths", "chain_mask", "e2e_tv_loss", "forward_kl_loss",
-    "fused_linear_objective",
+    "ACCEPT_LEN_KEYS", "OBJECTIVES", "STAT_KEYS", "chain_lengths", "chain_mask", "e2e_lk_loss", "e2e_nla_loss",
+    "e2e_tv_loss", "forward_kl_loss", "fused_linear_objective", "lk_loss", "nla_loss",
     "reverse_kl_loss", "tv_distance", "tv_loss",
 ]

@@ -28,6 +28,12 @@ Alive at once: the chunk's backbone logits ((c + K - 1) x B x V), one step's dra
 rows (the kernel runs on that many rows at a time), whatever S is; saved for backward:
 ``u`` (``K x S x B x H``, one draft-hidden-state-sized tensor).
 
+Kind ``tv_kl`` (the LK hybrids: d_TV and KL(p||q) of each row from one kernel pass) keeps
+two projections, ``u`` of the TV direction and of the KL direction (``2 x K x S x B x H``,
+two GEMMs per step and chunk), because the hybrids' per-row weights of the two are known only
+in backward (``e2e_lk``'s depend on the whole chain); the KL direction of a chunk needs one
+more ``R x V`` buffer, so the bound stays a few ``chunk_tokens x V`` buffers.
+
 Columns at and beyond ``opts.vocab_size`` (Megatron's vocabulary padding) get logit -inf
 in both distributions as soon as a chunk's logits exist (:mod:`bebop_megatron.losses.vocab`).
 
@@ -46,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from bebop_megatron.losses.functions import DivergenceOptions, row_kernel
-from bebop_megatron.losses.kernel_torch import STAT_KEYS, Workspace, compute_dtype
+from bebop_megatron.losses.kernel_torch import STAT_KEYS, TV_KL, Workspace, compute_dtype
 from bebop_megatron.losses.vocab import mask_padded_vocab_
 
 TOP1 = "top1"  # extra stat row when labels are given: 1 where argmax q is the data token
@@ -64,7 +70,7 @@ class FusedLinearDivergence(torch.autograd.Function):
 
     Differentiable w.r.t. ``h_draft`` only (the backbone is frozen, ``W`` is the frozen
     output layer). ``stats`` holds ``STAT_KEYS`` (and ``top1`` with labels) per row when
-    ``opts.with_stats``; it is empty otherwise.
+    ``opts.with_stats``; it is empty otherwise. Kind ``tv_kl``: value ``[2, K, S, B]`` (d_TV, KL).
     """
 
     @staticmethod
@@ -75,14 +81,19 @@ class FusedLinearDivergence(torch.autograd.Function):
         with_grad = ctx.needs_input_grad[0]
         kernel = row_kernel(opts.impl)
         num_stats = (len(STAT_KEYS) + (labels_KSB is not None)) if opts.with_stats else 0
-        value_KN = h_draft_KSBH.new_empty((K, S * B), dtype=dtype)
+        pair = opts.kind == TV_KL  # two values and two gradient directions per row
+        lead = (2,) if pair else ()
+        value_KN = h_draft_KSBH.new_empty((*lead, K, S * B), dtype=dtype)
         stats_CKN = h_draft_KSBH.new_empty((num_stats, K, S * B), dtype=dtype)
-        u_KNH = h_draft_KSBH.new_empty((K, S * B, H), dtype=weight_VH.dtype) if with_grad else None
+        u_KNH = h_draft_KSBH.new_empty((*lead, K, S * B, H), dtype=weight_VH.dtype) if with_grad else None
         labels_KN = labels_KSB.reshape(K, S * B) if labels_KSB is not None else None
         # K zero positions past the end: every chunk reads exactly c + K - 1 backbone rows.
         backbone_pad = torch.cat([h_backbone_SBH, h_backbone_SBH.new_zeros((K, B, H))])
         positions = max(1, opts.chunk_tokens // B)
         ws = Workspace()
+        kl_dir_RV = None
+        if pair and with_grad:  # the KL direction of one step's chunk (the TV one goes over the draft logits)
+            kl_dir_RV = h_draft_KSBH.new_empty((min(positions, S) * B, V), dtype=weight_VH.dtype)
         with torch.no_grad():
             for a in range(0, S, positions):
                 b = min(a + positions, S)
@@ -100,23 +111,29 @@ class FusedLinearDivergence(torch.autograd.Function):
                             tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=with_grad, ws=ws,
                         )
                         flat = slice(a * B + rows.start, a * B + rows.stop)  # rows of the [S * B] positions
-                        value_KN[k - 1, flat] = out.value_R
+                        value_KN[..., k - 1, flat] = out.value_R
                         if opts.with_stats:
                             stats_CKN[: len(STAT_KEYS), k - 1, flat] = out.stats_CR
                             if labels_KN is not None:
                                 stats_CKN[-1, k - 1, flat] = out.argmax_R == labels_KN[k - 1, flat]
                         if with_grad:  # these draft logits are read: their rows now hold the gradient
                             draft_RV[rows].copy_(out.grad_RV)
-                    if with_grad:
+                        if kl_dir_RV is not None:
+                            kl_dir_RV[rows].copy_(out.grad_kl_RV)
+                    if pair and with_grad:
+                        torch.matmul(draft_RV, weight_VH, out=u_KNH[0, k - 1, a * B : b * B])
+                        torch.matmul(kl_dir_RV[: c * B], weight_VH,
+                                     out=u_KNH[1, k - 1, a * B : b * B])
+                    elif with_grad:
                         torch.matmul(draft_RV, weight_VH, out=u_KNH[k - 1, a * B : b * B])
                     del draft_RV, target_RV
                 del target_cKBV
         if with_grad:
-            ctx.save_for_backward(u_KNH.view(K, S, B, H))
+            ctx.save_for_backward(u_KNH.view(*lead, K, S, B, H))
             ctx.draft_dtype = h_draft_KSBH.dtype
         stats_CKSB = stats_CKN.view(num_stats, K, S, B)
         ctx.mark_non_differentiable(stats_CKSB)
-        return value_KN.view(K, S, B), stats_CKSB
+        return value_KN.view(*lead, K, S, B), stats_CKSB
 
     @staticmethod
     def backward(ctx, grad_value_KSB, _grad_stats):
@@ -125,6 +142,8 @@ class FusedLinearDivergence(torch.autograd.Function):
         (u_KSBH,) = ctx.saved_tensors
         # Out of place: a retained graph may run backward again.
         grad = u_KSBH.to(grad_value_KSB.dtype) * grad_value_KSB[..., None]
+        if grad.dim() == 5:  # tv_kl: TV's and KL's projections, each with its incoming gradient
+            grad = grad.sum(0)
         return grad.to(ctx.draft_dtype), None, None, None, None
 
 

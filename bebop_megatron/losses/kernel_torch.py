@@ -12,6 +12,12 @@ argmax of q) is all-reduced over ``tp_group``, so each rank holds the same per-r
 as TP=1 and its own shard of the gradient. The backward needs no collective: it recomputes
 p and q from the saved per-row max and sum-exp with exactly the forward's operations (so
 the mask ``q <= p`` is the one S was summed over).
+
+Kind ``tv_kl`` (torch only; the LK hybrids of ``tv.py``) takes d_TV and KL(p||q) of a row
+from the same softmaxes in one pass: the value is ``[2, R]`` (d_TV, KL), the forward
+gradient is the two directions (``grad_RV`` for TV, ``grad_kl_RV`` for KL), and
+``grad_rows`` takes a ``[2, R]`` scale and returns ``scale_tv x TV direction + scale_kl x KL
+direction`` in one buffer. Its buffers are those of TV with stats (six; four in backward).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-KINDS = ("tv", "kl", "reverse_kl")
+KINDS = ("tv", "kl", "reverse_kl")  # kinds of both kernels (torch and Triton)
+TV_KL = "tv_kl"  # d_TV and KL(p||q) of a row together (torch kernel only)
 STAT_KEYS = ("alpha_rs", "alpha_to", "entropy_target", "entropy_draft", "kl")
 # Per-row scalars the backward needs: max and sum-exp of q and p, and S (tv) / KL(q||p) (reverse_kl).
 SAVED_ROWS = ("max_q", "sumexp_q", "max_p", "sumexp_p", "aux")
@@ -84,8 +91,15 @@ def _sum_plogratio(w_RV, log_w_RV, log_other_RV, out_RV) -> torch.Tensor:
 def direction(kind, q_RV, p_RV, logq_RV, logp_RV, q_where_le_RV, aux_R, scale_R, out_RV) -> torch.Tensor:
     """``scale_R`` x d value / d (scaled draft logits), per row, into ``out_RV``.
 
-    ``q_where_le_RV`` (tv only) holds q * 1[q <= p] and is overwritten (it may be ``out_RV``).
+    ``q_where_le_RV`` (tv, tv_kl) holds q * 1[q <= p] and is overwritten (it may be ``out_RV``).
+    For ``tv_kl``, ``scale_R`` is ``[2, ...]`` (the TV and KL scales) and the result is their
+    weighted sum of the two directions.
     """
+    if kind == TV_KL:
+        scale_tv, scale_kl = scale_R[0][..., None], scale_R[1][..., None]
+        # scale_tv (S q - q 1[q <= p]) + scale_kl (q - p), with one R x V buffer
+        out_RV = torch.neg(q_where_le_RV, out=out_RV).mul_(scale_tv)
+        return out_RV.addcmul_(q_RV, aux_R[..., None] * scale_tv + scale_kl).addcmul_(p_RV, scale_kl, value=-1.0)
     if kind == "tv":
         # Eq. 11: dL_TV/dz_j = -q_j (1[q_j <= p_j] - S) = S q_j - q_j 1[q_j <= p_j]; ties count as "<=".
         out_RV = torch.neg(q_where_le_RV, out=out_RV).addcmul_(q_RV, aux_R[..., None])
@@ -99,11 +113,12 @@ def direction(kind, q_RV, p_RV, logq_RV, logp_RV, q_where_le_RV, aux_R, scale_R,
 
 @dataclass
 class RowResult:
-    value_R: torch.Tensor  # the divergence per row (d_TV, KL(p||q) or KL(q||p))
+    value_R: torch.Tensor  # the divergence per row (d_TV, KL(p||q) or KL(q||p)); [2, R] (d_TV, KL) for tv_kl
     saved_CR: torch.Tensor  # SAVED_ROWS stacked
     stats_CR: torch.Tensor | None  # STAT_KEYS stacked (per row, not yet summed)
     grad_RV: torch.Tensor | None  # d value / d draft logits (a workspace view), when asked for
     argmax_R: torch.Tensor | None = None  # global argmax of q (lowest index on ties), with stats
+    grad_kl_RV: torch.Tensor | None = None  # tv_kl: d KL / d draft logits (grad_RV is then TV's)
 
 
 def _probs(draft_RV, target_RV, max_q, max_p, *, target_temperature, draft_temperature, ws, dtype):
@@ -139,13 +154,14 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
     parts: dict[str, torch.Tensor] = {}
     # Without logs (TV, no stats) the shifted-logit buffers are free once p and q exist.
     scratch = ws.take("scratch" if need_logs else "logq", draft_RV, dtype)
-    if kind == "tv" or with_stats:
+    with_tv = kind in ("tv", TV_KL)
+    if with_tv or with_stats:
         parts["tv"] = torch.sub(p, q, out=scratch).abs_().sum(-1).mul_(0.5)  # Eq. 10: = 1 - sum min(p, q)
     q_where_le = None
-    if kind == "tv":
+    if with_tv:
         q_where_le = _q_where_le(q, p, ws.take("q_where_le" if need_logs else "logp", draft_RV, dtype))
         parts["aux"] = q_where_le.sum(-1)  # S of Eq. 11
-    if kind == "kl" or with_stats:
+    if kind in ("kl", TV_KL) or with_stats:
         parts["kl"] = _sum_plogratio(p, logp, logq, scratch)
     if kind == "reverse_kl":
         parts["reverse_kl"] = parts["aux"] = _sum_plogratio(q, logq, logp, scratch)
@@ -164,25 +180,33 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
     names = list(parts)
     sums = dict(zip(names, _all_reduce(torch.stack([parts[n] for n in names]), dist.ReduceOp.SUM, tp_group)))
 
-    value = sums["tv" if kind == "tv" else kind]
-    aux = sums["aux"] if "aux" in sums else torch.zeros_like(value)
+    if kind == TV_KL:
+        value = torch.stack([sums["tv"], sums["kl"]])
+    else:
+        value = sums["tv" if kind == "tv" else kind]
+    aux = sums["aux"] if "aux" in sums else torch.zeros_like(max_q)
     saved = torch.stack([max_q, sumexp_q, max_p, sumexp_p, aux])
     stats = None
     if with_stats:
         stats = torch.stack([
             1.0 - sums["tv"], sums["alpha_to"], sums["entropy_target"], sums["entropy_draft"], sums["kl"],
         ])
-    grad = None
+    grad = grad_kl = None
     if with_grad:
-        scale = torch.full_like(value, 1.0 / draft_temperature)
-        grad = direction(kind, q, p, logq, logp, q_where_le, aux, scale, scratch)
-    return RowResult(value, saved, stats, grad, index)
+        scale = torch.full_like(aux, 1.0 / draft_temperature)
+        if kind == TV_KL:  # both directions alive at once: KL's in scratch, TV's over q * 1[q <= p]
+            grad_kl = direction("kl", q, p, logq, logp, None, aux, scale, scratch)
+            grad = direction("tv", q, p, logq, logp, q_where_le, aux, scale, q_where_le)
+        else:
+            grad = direction(kind, q, p, logq, logp, q_where_le, aux, scale, scratch)
+    return RowResult(value, saved, stats, grad, index, grad_kl)
 
 
 def grad_rows(draft_RV, target_RV, saved_CR, scale_R, *, kind, target_temperature, draft_temperature,
               ws: Workspace) -> torch.Tensor:
     """``scale_R`` x d value / d draft logits of one chunk (a workspace view), recomputed from
-    the saved per-row scalars, with the forward's exact operations and no collective."""
+    the saved per-row scalars, with the forward's exact operations and no collective.
+    For ``tv_kl``, ``scale_R`` is ``[2, R]`` (TV's and KL's) and the directions are summed."""
     dtype = compute_dtype(draft_RV.dtype, target_RV.dtype)
     max_q, sumexp_q, max_p, sumexp_p, aux = saved_CR.unbind(0)
     logq, logp, q, p = _probs(draft_RV, target_RV, max_q, max_p, target_temperature=target_temperature,
@@ -191,7 +215,7 @@ def grad_rows(draft_RV, target_RV, saved_CR, scale_R, *, kind, target_temperatur
     p.div_(sumexp_p[..., None])
     out = ws.take("scratch" if kind == "reverse_kl" else "logq", draft_RV, dtype)  # logs only for reverse KL
     q_where_le = None
-    if kind == "tv":
+    if kind in ("tv", TV_KL):
         q_where_le = _q_where_le(q, p, out)
     elif kind == "reverse_kl":
         logq.sub_(sumexp_q.log()[..., None])

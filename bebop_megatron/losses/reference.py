@@ -4,6 +4,9 @@ Straight from DESIGN.md section 1: full softmaxes, Python loops over positions a
 steps, autograd for gradients. Nothing here is chunked, vocabulary-parallel or analytic,
 and nothing is shared with the implementation in ``tv.py``.
 
+The cold-start objectives (nla, e2e_nla, lk, e2e_lk) follow the LK-loss paper's forms as
+DESIGN.md section 1 states them; ``sg`` (stop-gradient) is ``.detach()`` here.
+
 Legend: K MTP steps, N positions, V full vocabulary.
 """
 
@@ -11,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-OBJECTIVES = ("e2e_tv", "tv", "kl", "reverse_kl")
+OBJECTIVES = ("e2e_tv", "tv", "kl", "reverse_kl", "nla", "e2e_nla", "lk", "e2e_lk")
+NLA_EPS = 1e-6  # floor of alpha (nla) and E[L]/K (e2e_nla) before the log
 
 
 def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -46,26 +50,59 @@ def kl(first_logits, second_logits, first_temperature, second_temperature) -> to
 
 
 def per_step(kind, draft, target, target_temperature=1.0, draft_temperature=1.0) -> torch.Tensor:
-    """The per-step divergence ``[K, N]`` the objective is built from."""
-    if kind in ("e2e_tv", "tv"):
+    """The per-step divergence ``[K, N]`` the objective is built from (d_TV for nla/e2e_nla)."""
+    if kind in ("e2e_tv", "tv", "nla", "e2e_nla"):
         return tv_distance(draft, target, target_temperature, draft_temperature)
     if kind == "kl":
         return kl(target.detach(), draft, target_temperature, draft_temperature)
     if kind == "reverse_kl":
         return kl(draft, target.detach(), draft_temperature, target_temperature)
+    if kind in ("lk", "e2e_lk"):
+        return tv_distance(draft, target, target_temperature, draft_temperature)  # KL added in objective()
     raise ValueError(kind)
 
 
-def objective(kind, draft, target, valid, target_temperature=1.0, draft_temperature=1.0, reduction="mean"):
-    """Scalar loss of DESIGN.md section 1 (e2e: Eq. 13 per position; others: mean per-step value)."""
+def _cold_start_position(kind, t, m, K, tv, kl_pq, lk_eta):
+    """L_t of nla / e2e_nla / lk / e2e_lk at position t with chain length m >= 1."""
+    alpha = [1.0 - tv[j, t] for j in range(m)]
+    if kind == "nla":
+        return sum(-torch.log(torch.clamp(a, min=NLA_EPS)) for a in alpha) / K
+    if kind == "lk":
+        total = 0.0
+        for j in range(m):
+            lam = torch.exp(-lk_eta * alpha[j].detach())
+            total = total + lam * kl_pq[j, t] + (1.0 - lam) * tv[j, t]
+        return total / K
+    accept_len, survive, e2e = 0.0, 1.0, 0.0
+    for j in range(m):
+        survive = survive * alpha[j]  # prod_{i<=j} alpha_i
+        accept_len = accept_len + survive  # E[L] (Eq. 12)
+        e2e = e2e + (1.0 - survive)  # Eq. 13
+    if kind == "e2e_nla":
+        return -torch.log(torch.clamp(accept_len / K, min=NLA_EPS))
+    lam = torch.exp(-lk_eta * accept_len.detach() / K)  # e2e_lk
+    return lam * sum(kl_pq[j, t] for j in range(m)) / K + (1.0 - lam) * e2e / K
+
+
+def objective(kind, draft, target, valid, target_temperature=1.0, draft_temperature=1.0, reduction="mean",
+              lk_eta=3.0):
+    """Scalar loss of DESIGN.md section 1 (e2e: Eq. 13 per position; others: mean per-step value;
+    the cold-start objectives as in ``losses.cold_start``'s docstring)."""
     K, N = valid.shape
     d = per_step(kind, draft, target, target_temperature, draft_temperature)
+    kl_pq = None
+    if kind in ("lk", "e2e_lk"):
+        d = tv_distance(draft, target, target_temperature, draft_temperature)
+        kl_pq = kl(target.detach(), draft, target_temperature, draft_temperature)
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     for t, m in enumerate(chain_lengths(valid)):
         if m == 0:
             continue
         count += 1
+        if kind in ("nla", "e2e_nla", "lk", "e2e_lk"):
+            total = total + _cold_start_position(kind, t, m, K, d, kl_pq, lk_eta)
+            continue
         position = torch.zeros((), dtype=torch.float64)
         accepted = torch.ones((), dtype=torch.float64)
         for j in range(m):

@@ -1,4 +1,5 @@
-"""Functional entry points of the MTP objectives: e2e TV, per-step TV, forward KL, reverse KL.
+"""Functional entry points of the MTP objectives: e2e TV, per-step TV, forward KL, reverse KL,
+and the cold-start objectives nla, e2e_nla, lk, e2e_lk (:mod:`bebop_megatron.losses.cold_start`).
 
 Legend: K MTP steps, N positions, V_local this TP rank's vocabulary shard (rank r holds the
 global columns ``r*V_local : (r+1)*V_local``; the shards have equal size, as Megatron pads
@@ -6,7 +7,8 @@ the vocabulary).
 
 All objectives share one normaliser (DESIGN.md section 1): position t's chain holds its
 K_t leading valid steps (a chain stops at its first invalid step), its loss L_t is divided
-by K, and ``reduction="mean"`` averages L_t over the positions with K_t >= 1 (a tensor
+by K (e2e_nla's L_t = -log(E[L]_t / K) holds its 1/K inside the log), and
+``reduction="mean"`` averages L_t over the positions with K_t >= 1 (a tensor
 count, 0 loss when there is none, no host sync); ``reduction="sum"`` returns sum_t L_t so
 the caller can divide by the count of the whole global batch.
 
@@ -21,6 +23,14 @@ from __future__ import annotations
 
 import torch
 
+from bebop_megatron.losses.cold_start import (
+    COLD_START_KINDS,
+    DEFAULT_LK_ETA,
+    HYBRID_KINDS,
+    KERNEL_KIND,
+    check_lk_eta,
+    per_position,
+)
 from bebop_megatron.losses.functions import DEFAULT_CHUNK_TOKENS, DivergenceOptions, E2EChain, VocabDivergence
 from bebop_megatron.losses.kernel_torch import STAT_KEYS
 from bebop_megatron.losses.vocab import masked_padded_vocab
@@ -55,6 +65,8 @@ def _options(kind, valid, shape_KN, *, tp_group, target_temperature, draft_tempe
              chunk_tokens, return_stats, grad_in_forward=False, impl, vocab_size=None) -> DivergenceOptions:
     """Checks shared by every entry point; the kernel options of the objective ``kind``."""
     _check_common(impl, target_temperature, draft_temperature, chunk_tokens)
+    if impl == "triton" and kind in HYBRID_KINDS:
+        raise ValueError(f"objective {kind!r} (KL and TV from one pass) has impl='torch' only, got impl='triton'")
     if vocab_size is not None and not (isinstance(vocab_size, int) and vocab_size >= 1):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     if reduction not in REDUCTIONS:
@@ -62,13 +74,17 @@ def _options(kind, valid, shape_KN, *, tp_group, target_temperature, draft_tempe
     if tuple(valid.shape) != tuple(shape_KN):
         raise ValueError(f"valid must be [K, N] = {tuple(shape_KN)}, got {tuple(valid.shape)}")
     return DivergenceOptions(
-        kind="tv" if kind == "e2e_tv" else kind, target_temperature=float(target_temperature),
+        kind=_KERNEL_KIND.get(kind, kind), target_temperature=float(target_temperature),
         draft_temperature=float(draft_temperature), tp_group=tp_group, chunk_tokens=chunk_tokens,
         with_stats=return_stats, grad_in_forward=grad_in_forward, impl=impl, vocab_size=vocab_size,
     )
 
 
-def _objective(kind, draft_logits, target_logits, valid, *, reduction, return_stats, **options):
+_KERNEL_KIND = {"e2e_tv": "tv", **KERNEL_KIND}  # objective -> kernel kind (others: the same name)
+
+
+def _objective(kind, draft_logits, target_logits, valid, *, reduction, return_stats, lk_eta=DEFAULT_LK_ETA,
+               **options):
     if draft_logits.dim() != 3 or draft_logits.shape != target_logits.shape:
         raise ValueError(
             f"draft_logits and target_logits must both be [K, N, V_local], got {tuple(draft_logits.shape)} "
@@ -79,15 +95,17 @@ def _objective(kind, draft_logits, target_logits, valid, *, reduction, return_st
     draft_logits = masked_padded_vocab(draft_logits, opts.vocab_size, opts.tp_group)
     target_logits = masked_padded_vocab(target_logits.detach(), opts.vocab_size, opts.tp_group)
     value_KN, stats_CKN = VocabDivergence.apply(draft_logits, target_logits, opts)
-    return _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats)
+    return _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats, lk_eta=lk_eta)
 
 
-def _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats, stat_keys=STAT_KEYS):
-    """Per-row divergences -> the objective's loss (and per-step stat sums)."""
-    K = value_KN.shape[0]
+def _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats, stat_keys=STAT_KEYS, lk_eta=DEFAULT_LK_ETA):
+    """Per-row divergences (``[2, K, N]`` for the LK hybrids) -> the objective's loss (and per-step stat sums)."""
     chain_KN = chain_mask(valid)
+    K = chain_KN.shape[0]
     if kind == "e2e_tv":
         loss_N = E2EChain.apply(value_KN, chain_KN)
+    elif kind in COLD_START_KINDS:
+        loss_N = per_position(kind, value_KN, chain_KN, lk_eta)
     else:
         loss_N = torch.where(chain_KN, value_KN, 0.0).sum(0) / K
     loss = loss_N.sum()
@@ -152,12 +170,13 @@ _EQUIVALENT_SUFFIX = """
 """
 
 
-OBJECTIVE_KINDS = ("e2e_tv", "tv", "kl", "reverse_kl")
+OBJECTIVE_KINDS = ("e2e_tv", "tv", "kl", "reverse_kl", *COLD_START_KINDS)
 
 
 def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *, labels=None, tp_group=None,
                            target_temperature=1.0, draft_temperature=1.0, reduction="mean",
-                           chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False, impl="torch", vocab_size=None):
+                           chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False, impl="torch", vocab_size=None,
+                           lk_eta=DEFAULT_LK_ETA):
     """An objective computed from hidden states through the output projection, chunked.
 
     Plain-torch equivalent (what it computes, without ever holding all logits)::
@@ -176,6 +195,8 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
     ``labels`` (optional, ``[K, S, B]`` global token ids, step k's data token at s): adds
     ``top1`` to the stats, the count of positions where argmax q is the data token (ties
     to the lowest index), a by-product of the same pass.
+
+    ``lk_eta``: eta of ``lk`` / ``e2e_lk`` (ignored by the other kinds).
 
     Differentiable w.r.t. ``draft_hidden`` only; under TP the returned gradient is this
     rank's partial sum. The gradient is computed during the forward (see
@@ -200,13 +221,15 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
         draft_temperature=draft_temperature, reduction=reduction, chunk_tokens=chunk_tokens,
         return_stats=return_stats, impl=impl, vocab_size=vocab_size,
     )
+    lk_eta = check_lk_eta(lk_eta)
     inside = torch.arange(S, device=valid.device)[None, :] + torch.arange(1, K + 1, device=valid.device)[:, None] < S
     valid_KN = (valid.bool() & inside[..., None]).flatten(1)
     value_KSB, stats_CKSB = FusedLinearDivergence.apply(
         draft_hidden, backbone_hidden.detach(), weight.detach(), labels, opts
     )
     keys = STAT_KEYS + ((TOP1,) if labels is not None else ())
-    return _combine(kind, value_KSB.flatten(1), stats_CKSB.flatten(2), valid_KN, reduction, return_stats, keys)
+    return _combine(kind, value_KSB.flatten(-2), stats_CKSB.flatten(2), valid_KN, reduction, return_stats, keys,
+                    lk_eta=lk_eta)
 
 
 def _doc(summary: str, body: str) -> str:
@@ -215,7 +238,7 @@ def _doc(summary: str, body: str) -> str:
 
 
 def _entry_point(kind: str, name: str):
-    """The public function of objective ``kind`` (all four share one signature)."""
+    """The public function of objective ``kind`` (all but the LK hybrids share one signature)."""
 
     def loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
              draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
@@ -229,10 +252,30 @@ def _entry_point(kind: str, name: str):
     return loss
 
 
+def _lk_entry_point(kind: str, name: str):
+    """The public function of an LK hybrid: the shared signature plus ``lk_eta``."""
+
+    def loss(draft_logits, target_logits, valid, *, tp_group=None, target_temperature=1.0,
+             draft_temperature=1.0, reduction="mean", chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False,
+             grad_in_forward=False, impl="torch", vocab_size=None, lk_eta=DEFAULT_LK_ETA):
+        return _objective(kind, draft_logits, target_logits, valid, tp_group=tp_group,
+                          target_temperature=target_temperature, draft_temperature=draft_temperature,
+                          reduction=reduction, chunk_tokens=chunk_tokens, return_stats=return_stats,
+                          grad_in_forward=grad_in_forward, impl=impl, vocab_size=vocab_size,
+                          lk_eta=check_lk_eta(lk_eta))
+
+    loss.__name__ = loss.__qualname__ = name
+    return loss
+
+
 e2e_tv_loss = _entry_point("e2e_tv", "e2e_tv_loss")
 tv_loss = _entry_point("tv", "tv_loss")
 forward_kl_loss = _entry_point("kl", "forward_kl_loss")
 reverse_kl_loss = _entry_point("reverse_kl", "reverse_kl_loss")
+nla_loss = _entry_point("nla", "nla_loss")
+e2e_nla_loss = _entry_point("e2e_nla", "e2e_nla_loss")
+lk_loss = _lk_entry_point("lk", "lk_loss")
+e2e_lk_loss = _lk_entry_point("e2e_lk", "e2e_lk_loss")
 
 
 e2e_tv_loss.__doc__ = _doc(
@@ -272,6 +315,50 @@ reverse_kl_loss.__doc__ = _doc(
     """
         d = (q * (q.log() - p.log())).sum(-1)                               # KL(q||p), 0 log 0 = 0
         per_pos = torch.where(chain, d, 0).sum(0) / K""",
+)
+
+nla_loss.__doc__ = _doc(
+    """Negative log acceptance per step (LK^alpha): -log alpha_k, alpha_k = 1 - d_TV = sum_v min(p, q).
+
+    Per position, L_t = (1/K) sum_{k=1..K_t} -log(max(alpha_k, 1e-6)); gradient (1/alpha) x the
+    TV gradient (Eq. 11), large exactly where TV's vanishes. Below the floor the row is flat
+    (see :mod:`bebop_megatron.losses.cold_start`).""",
+    """
+        alpha = torch.minimum(p, q).sum(-1).clamp(min=1e-6)                 # [K, N]
+        per_pos = torch.where(chain, -alpha.log(), 0).sum(0) / K""",
+)
+e2e_nla_loss.__doc__ = _doc(
+    """Chain-level negative log acceptance: -log(E[L]_t / K), E[L]_t of Eq. 12 over t's chain.
+
+    Per position, L_t = -log(max(E[L]_t / K, 1e-6)), E[L]_t = sum_{j<=K_t} prod_{i<=j} alpha_i.""",
+    """
+        alpha = torch.where(chain, torch.minimum(p, q).sum(-1), 0)         # [K, N]
+        accept = torch.where(chain, alpha.cumprod(0), 0).sum(0)             # E[L]_t (Eq. 12)
+        per_pos = torch.where(chain[0], -(accept / K).clamp(min=1e-6).log(), 0)""",
+)
+lk_loss.__doc__ = _doc(
+    """Adaptive KL/TV blend per step (LK^lambda): lam KL(p||q) + (1 - lam) d_TV, lam = exp(-eta sg(alpha)).
+
+    Per position, L_t = (1/K) sum_{k=1..K_t} [lam_k KL_k + (1 - lam_k) d_TV_k] with alpha_k =
+    1 - d_TV_k detached per row: KL's dense gradient while the overlap is low, TV's as it
+    grows. ``lk_eta`` = 0 gives ``forward_kl_loss``, a large one ``tv_loss``.""",
+    """
+        d = 1 - torch.minimum(p, q).sum(-1)                                 # Eq. 10, [K, N]
+        kl = (p * (p.log() - q.log())).sum(-1)                              # KL(p||q), 0 log 0 = 0
+        lam = torch.exp(-lk_eta * (1 - d).detach())
+        per_pos = torch.where(chain, lam * kl + (1 - lam) * d, 0).sum(0) / K""",
+)
+e2e_lk_loss.__doc__ = _doc(
+    """Chain-level adaptive blend: lam_t (the kl objective's L_t) + (1 - lam_t) (Eq. 13's L_t),
+    lam_t = exp(-eta sg(E[L]_t / K)). ``lk_eta`` = 0 gives ``forward_kl_loss``, a large one
+    ``e2e_tv_loss``.""",
+    """
+        d = 1 - torch.minimum(p, q).sum(-1)                                 # Eq. 10, [K, N]
+        kl = (p * (p.log() - q.log())).sum(-1)                              # KL(p||q), 0 log 0 = 0
+        acc = torch.where(chain, 1 - d, 0).cumprod(0)                       # prod_{i<=j} alpha_i (Eq. 12)
+        lam = torch.exp(-lk_eta * torch.where(chain, acc, 0).sum(0).detach() / K)
+        e2e = torch.where(chain, 1 - acc, 0).sum(0) / K                     # Eq. 13 per position
+        per_pos = lam * torch.where(chain, kl, 0).sum(0) / K + (1 - lam) * e2e""",
 )
 
 

@@ -82,7 +82,8 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
 
     ``loss_cfg.type``: ``ce`` (data tokens, through Megatron's output layer and vocab-parallel
     cross-entropy) or a distribution objective of :mod:`bebop_megatron.losses` against the
-    frozen backbone (``e2e_tv``, ``tv``, ``kl``, ``reverse_kl``), fused with the output
+    frozen backbone (``e2e_tv``, ``tv``, ``kl``, ``reverse_kl``, and the cold-start ``nla``,
+    ``e2e_nla``, ``lk``, ``e2e_lk`` with ``loss_cfg.lk_eta``), fused with the output
     projection: no full logits tensor is ever held. The acceptance statistics (alpha_RS,
     alpha_TO, entropies, KL) are computed for every objective, so runs compare directly.
     ``vocab_size`` (``model.vocab_size``): columns from it on are Megatron's vocabulary
@@ -107,6 +108,7 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
         labels=data_targets_KSB, tp_group=tp_group, target_temperature=loss_cfg.target_temperature,
         draft_temperature=loss_cfg.draft_temperature, reduction="sum",
         chunk_tokens=loss_cfg.chunk_tokens, return_stats=True, impl=loss_cfg.impl, vocab_size=vocab_size,
+        lk_eta=loss_cfg.lk_eta,
     )
     args = (objective, draft_KSBH, backbone_SBH, weight_VH, valid_KSB)
     if loss_cfg.type == "ce":

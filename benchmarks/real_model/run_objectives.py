@@ -14,7 +14,8 @@ Stages (each resumable: a re-run skips what is complete and continues a partial 
 4. init study: one MTP layer, K=3, trained with ``e2e_tv`` from each ``mtp.init`` for the
    same few steps; the start with the best held-out E[L](3) becomes the objectives' start.
 5. objectives: from the same import, init, data and data order, ``ce`` and ``e2e_tv`` (and
-   ``kl``, ``tv``, ``reverse_kl`` with ``--objectives``), the same number of tokens each.
+   ``kl``, ``tv``, ``reverse_kl`` or the cold-start ``nla``, ``e2e_nla``, ``lk``, ``e2e_lk``
+   with ``--objectives``), the same number of tokens each.
 6. evaluation: ``tools/eval_acceptance.py`` on the held-out responses at T=1.0 and T=0.7,
    gamma=3, per-position rows kept; bootstrap 95% intervals over positions.
 7. export: the e2e TV heads as a MiMo-format draft for vLLM (MiMo is Qwen2 with MTP layers;
@@ -50,7 +51,7 @@ TEMPERATURES = (1.0, 0.7)
 GAMMA = 3
 INITS = ("random", "copy_last_layer", "identity")
 DEFAULT_INITS = ("random", "identity")  # copy_last_layer: measured earlier, stuck under TV (RESULTS.md)
-OBJECTIVES = ("ce", "e2e_tv", "kl", "tv", "reverse_kl")
+OBJECTIVES = ("ce", "e2e_tv", "kl", "tv", "reverse_kl", "nla", "e2e_nla", "lk", "e2e_lk")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Vocabulary-parallel objectives (TP=2, 2 gloo ranks) equal the unsharded call.
 
-``tests/helpers/losses_tp_case.py`` runs every objective and ``tv_distance`` in fp32 and
+``tests/helpers/losses_tp_case.py`` runs every objective (the cold-start ones included) and ``tv_distance`` in fp32 and
 fp64 with temperatures 0.7/1.3, grad_output 2.7, chunks smaller than N, cut and fully
 masked chains and argmax ties across shards; it compares loss, stats and the gathered
 draft-logit gradient with TP=1 on rank 0. With ``vocab_size`` (Megatron's padded columns
@@ -15,10 +15,11 @@ import pytest
 
 from tests.helpers.launch import run_script
 
+OBJECTIVE_KINDS = ("e2e_tv", "tv", "kl", "reverse_kl", "nla", "e2e_nla", "lk", "e2e_lk")
 EXPECTED = {
-    f"{kind}/{dtype}" for kind in ("e2e_tv", "tv", "kl", "reverse_kl", "tv_distance") for dtype in ("fp32", "fp64")
-} | {"e2e_tv/fp32/grad_in_forward", "e2e_tv/fp32/sum"} | {
-    f"{kind}/fp64/vocab_size={v}" for kind in ("e2e_tv", "tv", "kl", "reverse_kl") for v in (1000, 600)
+    f"{kind}/{dtype}" for kind in (*OBJECTIVE_KINDS, "tv_distance") for dtype in ("fp32", "fp64")
+} | {"e2e_tv/fp32/grad_in_forward", "e2e_tv/fp32/sum", "e2e_lk/fp32/grad_in_forward", "lk/fp64/lk_eta=0.5"} | {
+    f"{kind}/fp64/vocab_size={v}" for kind in OBJECTIVE_KINDS for v in (1000, 600)
 }
 
 

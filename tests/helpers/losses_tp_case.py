@@ -121,6 +121,11 @@ def main() -> None:
         "e2e_tv", torch.float32, group, chunk_tokens=16, grad_in_forward=True
     )
     results["e2e_tv/fp32/sum"] = compare_objective("e2e_tv", torch.float32, group, reduction="sum")
+    # the LK hybrids: TV and KL from one pass, both directions stored; another eta
+    results["e2e_lk/fp32/grad_in_forward"] = compare_objective(
+        "e2e_lk", torch.float32, group, chunk_tokens=16, grad_in_forward=True
+    )
+    results["lk/fp64/lk_eta=0.5"] = compare_objective("lk", torch.float64, group, chunk_tokens=7, lk_eta=0.5)
     # Megatron's vocabulary padding: rank 1 holds real and padded columns, or padded ones only.
     for vocab_size in (1000, 600):
         for kind in OBJECTIVES:
