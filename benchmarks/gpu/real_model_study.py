@@ -18,7 +18,8 @@ Stages of ``study`` (each resumes from ``--work``; a stage that is complete is s
 2. import it (``tools/convert_from_hf.py``, one MTP layer for K=3 steps);
 3. responses: the model's own answers at T=1 to the carried prompts (batched transformers
    ``generate``, ``bebop_megatron.data.generate_hf``), train and held-out prompts disjoint;
-   limited by ``--gen-budget-s`` (the responses written so far are kept and used);
+   limited by ``--gen-budget-s`` (the responses written so far are kept and used); then
+   tokenized once into indexed datasets (``tools/preprocess_data.py``'s code);
 4. calibration: one trainer's step time and held-out evaluation time, and the untrained
    head's held-out acceptance (the curves' first point); from them the number of steps
    per run that fits the time left (at most ``--target-tokens``), the same for every run;
@@ -131,6 +132,23 @@ def stage_responses(hf: Path, prompts: Path, data: Path, args, deadline: float) 
     return stats
 
 
+def stage_tokenize(meg: Path, data: Path) -> None:
+    """Both response files as indexed datasets (``tools/preprocess_data.py``'s ``preprocess``, with
+    the import's tokenizer), once: every trainer then reads them instead of tokenizing the JSONL."""
+    from bebop_megatron.data.preprocess import preprocess
+
+    for split in ("train", "heldout"):
+        src, stamp = data / f"{split}.jsonl", data / f".{split}.tokenized"
+        key = f"{src.stat().st_size}\n"
+        if stamp.is_file() and stamp.read_text() == key:
+            continue
+        t0 = time.time()
+        preprocess([str(src)], str(data / split), tokenizer_dir=str(meg / "hf"), train_on="response",
+                   on_error="fail", progress=False)
+        stamp.write_text(key)
+        log(f"tokenize ({split}): {time.time() - t0:.1f} s")
+
+
 def _prompt_length(backend, job) -> int:
     try:
         return len(backend.prompt_ids(job))
@@ -155,7 +173,7 @@ def train_config(meg: Path, data: Path, args, *, loss: str, steps: int, lr: floa
     overrides = [
         f"device={args.device}", f"precision={args.precision}", "model.transformer_impl=local",
         f"loss.type={loss}", f"loss.chunk_tokens={args.loss_chunk_tokens}",
-        f"data.train_files=[{data / 'train.jsonl'}]", f"data.valid_files=[{data / 'heldout.jsonl'}]",
+        f"data.train_files=[{data / 'train'}]", f"data.valid_files=[{data / 'heldout'}]",
         "data.train_on=response", "data.pack=true", f"data.seed={data_seed}",
         f"train.seq_length={args.seq_length}", f"train.micro_batch_size={args.micro_batch_size}",
         f"train.global_batch_size={args.global_batch_size}", f"train.steps={steps}", f"train.lr={lr}",
@@ -320,6 +338,8 @@ def study(args) -> None:
     set_log_file(out / "study.log")
     t_start = time.time()
     deadline = t_start + args.budget_s
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise StudyError("no CUDA GPU visible: run the study on the GPU machine, or use --device cpu (or --dry-run)")
     machine = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
     if "ce" not in objectives:
@@ -334,6 +354,7 @@ def study(args) -> None:
     meg = stage_import(hf, work)
     data = work / "data"
     gen = stage_responses(hf, prompts, data, args, deadline=time.time() + args.gen_budget_s)
+    stage_tokenize(meg, data)
     meta = {"model": SPEC.title, "quant": SPEC.quant, "machine": machine, "torch": torch.__version__,
             "settings": {k: v for k, v in vars(args).items() if k not in ("func",)}, "responses": gen,
             "temperatures": list(TEMPERATURES), "gamma": GAMMA, "objectives": objectives}
