@@ -107,3 +107,17 @@ def test_study_dry_run(tmp_path):
     rows = data["csv"]["fresh_e2e_tv"]
     assert rows["alpha_rs_step1_T1"] == pytest.approx(runs["fresh_e2e_tv"]["metrics"]["1"]["alpha_rs_step1"], abs=2e-3)
     assert rows["alpha_rs_step1_T1_lo"] <= rows["alpha_rs_step1_T1"] <= rows["alpha_rs_step1_T1_hi"]
+
+
+def test_plan_fits_the_time_or_drops_the_last_objectives():
+    plan = dict(step_s=1.6, fixed_s=10.0, tokens_per_step=65536, target_tokens=5_000_000, min_steps=10)
+    # 8 runs: (400 - 80) / (8 x 1.6) = 25 steps; 5M tokens would be 77.
+    assert study_tool.fit_objectives(["ce", "kl", "e2e_tv", "e2e_nla"], left_s=400, **plan) == (
+        25, ["ce", "kl", "e2e_tv", "e2e_nla"], [])
+    assert study_tool.plan_steps(left_s=10_000, num_runs=2, **plan) == 77  # capped by --target-tokens
+    # 10 runs need 10 x (10 + 16) = 260 s at 10 steps: in 240 s the last objective goes, and the
+    # other 8 runs get (240 - 80) / (8 x 1.6) = 12 steps.
+    assert study_tool.fit_objectives(["ce", "kl", "e2e_tv", "e2e_nla", "e2e_lk"], left_s=240, **plan) == (
+        12, ["ce", "kl", "e2e_tv", "e2e_nla"], ["e2e_lk"])
+    with pytest.raises(files.StudyError, match="only 3 steps per run fit"):
+        study_tool.fit_objectives(["ce", "kl", "e2e_tv"], left_s=50, **plan)

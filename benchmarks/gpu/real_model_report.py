@@ -108,6 +108,8 @@ def build(src: Path, num_boot: int) -> tuple[str, dict]:
         "Intervals: percentile bootstrap over held-out positions (positions of one response are correlated, so "
         "they are narrower than intervals over responses would be). `*`: the interval excludes 0.",
     ]
+    if summary.get("dropped"):
+        lines += ["", f"**Objectives dropped at planning (too little time):** {', '.join(summary['dropped'])}."]
     if summary.get("skipped"):
         lines += ["", f"**Runs skipped for lack of time:** {', '.join(summary['skipped'])}."]
     csv_rows = {}

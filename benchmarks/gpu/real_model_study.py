@@ -329,6 +329,19 @@ def plan_steps(*, left_s: float, num_runs: int, step_s: float, fixed_s: float, t
     return steps
 
 
+def fit_objectives(objectives: list[str], **plan) -> tuple[int, list[str], list[str]]:
+    """``(steps, kept, dropped)``: the objectives that fit in both conditions at ``plan_steps``'
+    terms, dropping the last ones first (``ce``, the reference, stays with at least one other)."""
+    kept = list(objectives)
+    while True:
+        try:
+            return plan_steps(num_runs=2 * len(kept), **plan), kept, objectives[len(kept):]
+        except StudyError:
+            if len(kept) <= 2:
+                raise
+            kept.pop()
+
+
 def study(args) -> None:
     import torch
 
@@ -344,6 +357,8 @@ def study(args) -> None:
     objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
     if "ce" not in objectives:
         raise StudyError("--objectives must include ce: its fresh head is the fine-tuned condition's start")
+    objectives.remove("ce")
+    objectives.insert(0, "ce")  # first: the fine-tuned condition starts from its head
     log(f"study on {machine}: objectives {', '.join(objectives)}; budget {args.budget_s:.0f} s")
 
     if args.dry_run and not args.hf_dir:
@@ -387,11 +402,16 @@ def study(args) -> None:
     log(f"calibration: build {build_s:.1f} s, step {step_s:.3f} s ({tokens_per_step / step_s:,.0f} tokens/s), "
         f"curve eval {curve_eval_s:.2f} s, held-out eval {eval_s:.1f} s; untrained head T=1 alpha_RS step 1 "
         f"{m0['alpha_rs_step1']:.3f}")
-    names = [f"fresh_{o}" for o in objectives] + [f"finetune_{o}" for o in objectives]
     fixed_s = build_s + eval_s + args.curve_points * curve_eval_s + 2.0
     left = deadline - time.time() - args.reserve_s
-    steps = plan_steps(left_s=left, num_runs=len(names), step_s=step_s, fixed_s=fixed_s,
-                       tokens_per_step=tokens_per_step, target_tokens=args.target_tokens, min_steps=args.min_steps)
+    steps, objectives, dropped = fit_objectives(objectives, left_s=left, step_s=step_s, fixed_s=fixed_s,
+                                                tokens_per_step=tokens_per_step, target_tokens=args.target_tokens,
+                                                min_steps=args.min_steps)
+    if dropped:
+        log(f"plan: too little time for every objective at --min-steps {args.min_steps}: dropped {', '.join(dropped)}")
+    names = [f"fresh_{o}" for o in objectives] + [f"finetune_{o}" for o in objectives]
+    results.meta["objectives"] = objectives
+    results.meta["dropped"] = dropped
     curve_interval = max(1, steps // args.curve_points)
     results.meta.update({"calibration": {"build_s": build_s, "step_s": step_s, "curve_eval_s": curve_eval_s,
                                          "eval_s": eval_s, "untrained": point_metrics(rows0["1"], GAMMA),
