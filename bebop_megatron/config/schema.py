@@ -256,9 +256,11 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 0.0
     lr_schedule: str = "constant"
-    """``constant`` (with warmup; the paper's recipe) or ``cosine``."""
+    """``constant`` (with warmup; the paper's recipe) or ``cosine`` (after the warmup, down to ``min_lr`` at the
+    last step)."""
     warmup_fraction: float = 0.03
-    """Fraction of ``steps`` spent in linear warmup."""
+    """Fraction of ``steps`` spent in linear warmup: with W = round(warmup_fraction * steps), step
+    n <= W trains at lr * n / W (the first at lr / W, never 0)."""
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95

@@ -289,12 +289,17 @@ class Trainer:
         self.scheduler.step(increment=1)
         return torch.tensor(norms.total if norms is not None else 0.0)
 
+    def current_lr(self) -> float:
+        """The LR the next update uses (the scheduler has set it for the step to come)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
     def train_step(self, micro_batches) -> StepMetrics:
         outputs = self.forward_backward(micro_batches)
+        lr = self.current_lr()  # read before optimizer_step advances the schedule: the LR this update uses
         grad_norm = self.optimizer_step(outputs)
         self.step += 1
         self.consumed_samples += self.cfg.train.global_batch_size
-        metrics = self.reduce_metrics(outputs, grad_norm)
+        metrics = self.reduce_metrics(outputs, grad_norm, lr=lr)
         metrics.extra["skipped"] = self.last_step_skipped
         if self.last_step_skipped:
             self.log(f"step {self.step}: non-finite loss or gradient, update skipped "
@@ -302,11 +307,12 @@ class Trainer:
         self.guard.record(self.last_step_skipped, self.step)  # raises after too many in a row
         return metrics
 
-    def reduce_metrics(self, outputs: list, grad_norm: torch.Tensor) -> StepMetrics:
+    def reduce_metrics(self, outputs: list, grad_norm: torch.Tensor, lr: float | None = None) -> StepMetrics:
         """One all-reduce per step brings the logged numbers to every rank.
 
         Only one rank per data-parallel replica of the MTP stage contributes (its TP ranks
-        hold copies of the same sums).
+        hold copies of the same sums). ``lr``: the LR the step's update used (default: the
+        next update's, for evaluations).
         """
         K, R = self.cfg.mtp.num_steps, len(STAT_ROWS)
         report = torch.zeros(3 + R * K)
@@ -332,7 +338,7 @@ class Trainer:
             step=self.step,
             loss=float(report[0] / report[1].clamp(min=1)),
             grad_norm=float(report[2]),
-            lr=float(self.optimizer.param_groups[0]["lr"]),
+            lr=self.current_lr() if lr is None else lr,
             top1=mean["top1_correct"],
             ce=mean["ce_sum"],
             alpha_rs=mean["alpha_rs"],
