@@ -164,6 +164,10 @@ def validate(cfg: Config) -> None:
         _positive(getattr(t, name), f"train.{name}")
     _positive(mtp.num_layers, "mtp.num_layers")
     _positive(mtp.num_steps, "mtp.num_steps")
+    if t.seq_length <= mtp.num_steps:  # step k at position t predicts token t+k+1 of the same row
+        raise ConfigError(f"train.seq_length={t.seq_length} must be > mtp.num_steps={mtp.num_steps}: MTP step k "
+                          "trains only on positions whose token k+1 ahead is in the row, so with rows this short "
+                          "the last steps train on nothing")
     validate_sizes(cfg)
     _choice(mtp.next_step_input, "mtp.next_step_input", ("pre_norm", "post_norm"))
     _choice(m.backbone_init, "model.backbone_init", ("random", "fit_synthetic"))

@@ -24,6 +24,7 @@ from bebop_megatron.data import (
     batch_iterator,
     build_train_dataset,
     build_valid_dataset,
+    check_trainable,
     eval_batches,
     load_tokenizer,
 )
@@ -142,6 +143,9 @@ class Trainer:
         tokenizer = load_tokenizer(cfg) if real_data else None
         self.dataset = build_train_dataset(cfg, tokenizer=tokenizer, log=self.log, progress=self.rank == 0)
         self.valid_dataset = build_valid_dataset(cfg, tokenizer=tokenizer, log=self.log, progress=self.rank == 0)
+        check_trainable(self.dataset, "data.train_files")  # before the model: a run on nothing is refused
+        if self.valid_dataset is not None:
+            check_trainable(self.valid_dataset, "data.valid_files")
         self.sizes = setup_parallel(cfg, self.world)
         self.model = build_model(cfg, self.device)
         if cfg.model.backbone_checkpoint:
