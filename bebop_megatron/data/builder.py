@@ -85,7 +85,7 @@ def build_synthetic_held_out(cfg, num_samples: int) -> MarkovDataset:
                          min_branching=d.markov_min_branching, index_offset=d.num_samples)
 
 
-def check_trainable(dataset, field: str) -> None:
+def check_trainable(dataset, field: str, purpose: str = "train") -> None:
     """Refuse data on which no MTP step is ever valid (the run would train on nothing, loss 0).
 
     Step 1 at row position t needs the label of t+1 trained and in t's document, i.e. a
@@ -108,7 +108,7 @@ def check_trainable(dataset, field: str) -> None:
     else:
         why = ("no document has a trained token after its first two (data.train_on=response with empty or "
                "one-token responses?)")
-    raise DataError(f"{field}: no position to train the MTP heads on: {why}")
+    raise DataError(f"{field}: no position to {purpose} the MTP heads on: {why}")
 
 
 def _build_packed(cfg, specs: list[SourceSpec], tokenizer, *, shuffle, name, log, progress) -> PackedDataset:
