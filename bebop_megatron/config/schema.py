@@ -185,7 +185,8 @@ class ParallelConfig:
     ``"Et*4|m*3L"`` puts 4 layers on stage 0 and a standalone MTP stage (K=3) on stage 1.
     None places the MTP block on the last stage with the last decoder layers."""
     distributed_optimizer: bool = False
-    """Shard optimizer state across data-parallel ranks."""
+    """Shard optimizer state across data-parallel ranks. Fixed for a run: a resume that changes it is
+    refused (the optimizer state is saved in another format)."""
 
 
 @dataclass
@@ -275,7 +276,8 @@ class TrainConfig:
     that defines the model, the backbone or the data is refused (``model.*`` and ``mtp.*``
     except ``model.transformer_impl`` and ``mtp.init``; ``precision`` except bf16<->fp8;
     ``train.seq_length``; ``data.train_files/tokenizer/train_on/pack/overlong/num_samples/
-    markov_branching/markov_min_branching/seed``; ``train.seed`` with a random backbone; see
+    markov_branching/markov_min_branching/seed``; ``train.seed`` with a random backbone;
+    ``parallel.distributed_optimizer`` (its optimizer state is saved in another format); see
     ``bebop_megatron/training/resume.py``). Other changes are listed in one line; a new LR
     schedule (``train.lr/min_lr/lr_schedule/warmup_fraction/weight_decay/steps``) applies from
     the resumed step on. ``none``: start at step 0; refused if ``save.dir`` already holds
