@@ -132,6 +132,10 @@ def _positive(value, name: str) -> None:
         raise ConfigError(f"{name}={value!r} must be >= 1")
 
 
+TEMPERATURE_RANGE = (1e-3, 1e3)
+"""Allowed ``loss.target_temperature`` / ``loss.draft_temperature``."""
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no process group. World-size checks live in ``parallel_sizes``."""
     m, p, t, mtp = cfg.model, cfg.parallel, cfg.train, cfg.mtp
@@ -141,8 +145,11 @@ def validate(cfg: Config) -> None:
     _choice(m.transformer_impl, "model.transformer_impl", ("auto", "local", "transformer_engine"))
     _choice(m.moe_token_dispatcher_type, "model.moe_token_dispatcher_type", ("alltoall", "allgather"))
     _choice(cfg.loss.type, "loss.type", ("e2e_tv", "tv", "kl", "reverse_kl", "ce"))
-    if cfg.loss.target_temperature <= 0 or cfg.loss.draft_temperature <= 0:
-        raise ConfigError("loss.target_temperature and loss.draft_temperature must be > 0")
+    for name in ("target_temperature", "draft_temperature"):
+        value = getattr(cfg.loss, name)
+        if not TEMPERATURE_RANGE[0] <= value <= TEMPERATURE_RANGE[1]:  # NaN fails too
+            raise ConfigError(f"loss.{name}={value!r} must be in [{TEMPERATURE_RANGE[0]:g}, {TEMPERATURE_RANGE[1]:g}] "
+                              "(the logits are divided by it; beyond that range the softmax overflows)")
     _positive(cfg.loss.chunk_tokens, "loss.chunk_tokens")
     _choice(cfg.loss.impl, "loss.impl", ("torch", "triton"))
     if cfg.loss.impl == "triton" and cfg.device == "cpu":

@@ -197,9 +197,9 @@ class LossConfig:
     distribution over the full vocabulary; or ``ce`` (cross-entropy on the data tokens,
     Megatron's default MTP loss)."""
     target_temperature: float = 1.0
-    """Backbone logits are divided by it before the softmax."""
+    """Backbone logits are divided by it before the softmax; 0.001 to 1000."""
     draft_temperature: float = 1.0
-    """Draft (MTP) logits are divided by it before the softmax."""
+    """Draft (MTP) logits are divided by it before the softmax; 0.001 to 1000."""
     chunk_tokens: int = 512
     """Tokens (sequence positions x micro-batch) per loss-kernel call: bounds the float32
     logits and temporaries to a few ``chunk_tokens x V_local`` buffers per MTP step."""
