@@ -87,6 +87,9 @@ SIZES = [
     ("train.weight_decay=-1", "train.weight_decay=-1.0 must be >= 0"),
     ("train.lr=nan", "train.lr=nan must be a finite number"),
     ("data.markov_branching=0", "data.markov_branching=0 must be >= 1"),
+    *[(f"loss.{name}={value}", f"loss.{name}={float(value)!r} must be in [0.001, 1000] (the logits are divided by "
+       "it; beyond that range the softmax overflows)")
+      for name in ("target_temperature", "draft_temperature") for value in ("1e-45", "0", "-1", "1e4", "nan")],
 ]
 
 
@@ -95,6 +98,11 @@ def test_every_size_field_is_validated(override, message):
     with pytest.raises(ConfigError) as excinfo:
         load_config(None, [override])
     assert one_line(excinfo) == message
+
+
+def test_temperatures_at_the_ends_of_the_range_are_accepted():
+    cfg = load_config(None, ["loss.target_temperature=0.001", "loss.draft_temperature=1000"])
+    assert (cfg.loss.target_temperature, cfg.loss.draft_temperature) == (0.001, 1000.0)
 
 
 def test_booleans_given_to_string_fields_are_reported_as_typed():

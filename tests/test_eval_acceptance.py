@@ -6,7 +6,9 @@
   (``tests/helpers/eval_acceptance_case.py``);
 - a missing or damaged checkpoint (truncated shard or ``.metadata``) and a malformed dataset
   line: one ``error:`` line naming the path (and line; for a damaged checkpoint the newest
-  intact one before it), exit status 2, no traceback.
+  intact one before it), exit status 2, no traceback;
+- data with no valid MTP position (every response truncated away; or none in the --max-rows
+  evaluated): one ``error:`` line, no report.
 """
 
 from __future__ import annotations
@@ -170,3 +172,20 @@ def test_damaged_checkpoint_is_one_line_naming_the_intact_one(checkpoint, tmp_pa
     assert line.startswith(f"error: checkpoint {newest} is damaged: {problem}"), line
     assert line.endswith(f"; the newest intact checkpoint before it is {run / 'iter_0000001'}: pass --checkpoint "
                          f"{run / 'iter_0000001'}"), line
+
+
+def test_data_without_a_valid_position_is_refused(checkpoint, tmp_path):
+    """Prompts longer than the row (seq_length 64, byte tokens): every response is truncated away, so
+    there is no acceptance to measure; refused before the model is loaded, not reported as alpha 0."""
+    long_prompt = {"prompt": "count the cats in the big red barn and then say how many " * 2, "response": "three."}
+    data = tmp_path / "truncated.jsonl"
+    data.write_text("\n".join(json.dumps(long_prompt) for _ in range(4)) + "\n")
+    line = error_line(run_tool("--checkpoint", checkpoint, "--data", data, "--out-dir", tmp_path / "r"))
+    assert line.startswith("error: --data: no position to evaluate the MTP heads on: every trained"), line
+    assert not (tmp_path / "r" / "report.json").exists()
+    # some rows have positions, the ones evaluated (--max-rows 1: the first, a truncated document) do not
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps(long_prompt) + "\n" + VALID.read_text())
+    line = error_line(run_tool("--checkpoint", checkpoint, "--data", mixed, "--max-rows", 1, "--no-speedup",
+                               "--out-dir", tmp_path / "r"))
+    assert "the 1 rows evaluated (--max-rows) hold no position" in line, line

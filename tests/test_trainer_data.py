@@ -121,3 +121,40 @@ def test_packed_data_with_transformer_engine_is_refused():
     check_packing(cfg, use_te=False)
     cfg.data.pack = False
     check_packing(cfg, use_te=True)
+
+
+# ------------------------------------------------------------------ runs with nothing to train on (issue 26, item 4)
+
+
+@pytest.mark.parametrize("seq_length", [1, 3])
+def test_rows_no_longer_than_the_chain_are_refused(seq_length):
+    with pytest.raises(ConfigError, match=f"train.seq_length={seq_length} must be > mtp.num_steps=3"):
+        load_config(overrides=[f"train.seq_length={seq_length}", "mtp.num_steps=3"])
+    assert load_config(overrides=["train.seq_length=4", "mtp.num_steps=3"]).train.seq_length == 4
+
+
+def truncated_documents(n: int) -> list[dict]:
+    """Prompts of 40+ bytes (the byte tokenizer): past a row of 16 tokens, so is every response."""
+    return [{"prompt": " ".join(WORDS[i % 5:i % 5 + 12]), "response": "ok then"} for i in range(n)]
+
+
+def test_data_with_no_trainable_position_is_refused(tmp_path):
+    from bebop_megatron.data import DataError, build_train_dataset, check_trainable
+
+    def dataset(records):
+        path = write_jsonl(tmp_path / f"d{len(records)}.jsonl", records)
+        cfg = load_config(overrides=[f"data.train_files=[{path}]", "train.seq_length=16", "mtp.num_steps=3"])
+        return build_train_dataset(cfg, log=lambda *a, **k: None, progress=False)
+
+    with pytest.raises(DataError, match="data.train_files: no position to train .* truncated away .4 documents"):
+        check_trainable(dataset(truncated_documents(4)), "data.train_files")
+    check_trainable(dataset([*truncated_documents(4), {"prompt": "hi", "response": "cat"}]), "data.train_files")
+
+
+def test_run_on_truncated_responses_stops_before_the_model(tmp_path):
+    path = write_jsonl(tmp_path / "long_prompts.jsonl", truncated_documents(6))
+    proc = run_cli([f"data.train_files=[{path}]", *SMALL, "train.seq_length=16", "train.steps=1"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "data.train_files: no position to train the MTP heads on" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and "step " not in proc.stdout and "params" not in proc.stdout

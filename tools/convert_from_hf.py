@@ -10,7 +10,8 @@ whose vision tower is kept in ``OUT/hf/vision.safetensors``). MiMo's, GLM's, Dee
 Qwen's (``mtp.*``) MTP layers are imported.
 The checkpoint loads at any TP/PP/EP layout (TP must divide --max-tensor-parallel, which
 sets the vocabulary padding); train with ``model.backbone_checkpoint=OUT`` plus the
-``model``/``mtp`` sections written to ``OUT/bebop_model.yaml``. The tokenizer and source
+``model``/``mtp`` sections written to ``OUT/bebop_model.yaml``. A checkpoint already at ``OUT`` (a
+training run's ``iter_N``, an earlier import) is replaced only with ``--overwrite``. The tokenizer and source
 config are copied to ``OUT/hf``; ``bebop_model.yaml`` then also sets ``data.tokenizer`` to it. The logic lives in :mod:`bebop_megatron.convert.importer`.
 """
 
@@ -32,6 +33,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--max-tensor-parallel", type=int, default=8,
                    help="pad the vocabulary so every TP dividing this loads the checkpoint (default 8)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a Megatron checkpoint already at --out (a training run's iter_N or an earlier "
+                        "import; refused without it); any other non-empty --out is always refused")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -42,7 +46,8 @@ def main(argv=None) -> None:
 
     convert_from_hf(args.hf_dir, args.out, mtp_num_steps=args.mtp_num_steps, mtp_init=args.mtp_init,
                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                    max_tensor_parallel=args.max_tensor_parallel, progress=not args.no_progress)
+                    max_tensor_parallel=args.max_tensor_parallel, progress=not args.no_progress,
+                    overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ pure-PyTorch MTP forward, chained as the target engine hands step k+1 its input,
 Megatron model's, chained as the heads were trained (``mtp.next_step_input``): a mismatch
 fails from step 2 on. Both engines hand on the MTP output after its final norm (vLLM's
 DeepSeek-V3 / GLM-4.5 drafts since PR #45895, merged 2026-06-19); ``--vllm-handoff pre_norm``
-targets those drafts in vLLM releases before it. The logic lives in
+targets those drafts in vLLM releases before it. A non-empty ``--out`` (a user's files, an earlier
+export) is refused unless ``--overwrite``. The logic lives in
 :mod:`bebop_megatron.convert.exporter`.
 """
 
@@ -57,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="draft steps to verify and to put in the printed serve command (default: the trained "
                         "mtp.num_steps); a single MTP layer is reused for every step, several need K = their number")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out (refused without it): files of the same names are replaced "
+                        "and earlier *.safetensors removed; a Megatron checkpoint there is always refused")
     p.add_argument("--mtp-only", action="store_true", help="write the draft (MTP) checkpoint alone")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="check names, shapes and K steps of draft logits after writing (default: on)")
@@ -73,7 +77,8 @@ def main(argv=None) -> None:
     convert_to_hf(args.checkpoint, args.out, args.format, args.target, backbone=args.backbone,
                   hf_dir=args.hf_dir, mtp_only=args.mtp_only, verify=args.verify, tol=args.tolerance,
                   progress=not args.no_progress, allow_moved_backbone=args.allow_moved_backbone,
-                  num_steps=args.num_speculative_tokens, vllm_handoff=args.vllm_handoff)
+                  num_steps=args.num_speculative_tokens, vllm_handoff=args.vllm_handoff,
+                  overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ one ``iter_N`` directory; the run's config is read from it, and the backbone com
 same seeded initialisation). The model is loaded at TP=``--tensor-parallel``, PP=1 (dist
 checkpointing reshards any saved layout); the other ranks of the world are data-parallel
 and share the rows. Positions follow the training loss: step k at t is valid when t+k is a
-trained token of t's document, and a chain stops at its first invalid step.
+trained token of t's document, and a chain stops at its first invalid step. Data without
+a valid position (e.g. every response truncated away) is refused, not reported as alpha 0.
 """
 
 from __future__ import annotations
@@ -282,11 +283,11 @@ def evaluate(args) -> dict | None:
     from megatron.core import parallel_state
     from tqdm import tqdm
 
-    from bebop_megatron.data import eval_batches
+    from bebop_megatron.data import DataError, check_trainable, eval_batches
     from bebop_megatron.metrics.plots import write_all
     from bebop_megatron.metrics.speedup import speedup_table
     from bebop_megatron.training import synthetic_backbone
-    from bebop_megatron.metrics.report import AcceptanceReport
+    from bebop_megatron.metrics.report import SUM_KEYS, AcceptanceReport
     from bebop_megatron.platform import init_distributed, resolve_device
     from bebop_megatron.training.checkpoint import load_trained_model
     from bebop_megatron.training.parallel import setup_parallel
@@ -304,6 +305,7 @@ def evaluate(args) -> dict | None:
     dataset = held_out_dataset(cfg, args, progress=not args.no_progress and rank == 0)
     if dataset is None or len(dataset) == 0:
         raise ValueError(f"no held-out rows in {args.data}")
+    check_trainable(dataset, "--data", "evaluate")  # before the model: no valid position, no acceptance to measure
     synthetic_backbone.prepare(cfg, rank)  # a fitted synthetic backbone missing from the cache is rebuilt
     model = load_trained_model(cfg, ckpt_path, device)
     comm = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
@@ -327,6 +329,10 @@ def evaluate(args) -> dict | None:
             sim_left -= micro_batch_statistics(model, batch, report, args, K=K, tp_group=tp_group, sim_budget=sim_left,
                                                generator=generator, device=comm, vocab_size=cfg.model.vocab_size)
     report.reduce(dp_group)
+    if not report.sums[0][SUM_KEYS.index("count")][0]:  # the same on every rank after the reduce
+        raise DataError(f"--data: the {num_rows} rows evaluated (--max-rows) hold no position an MTP step can be "
+                        "evaluated at (every trained token is among its document's first two or truncated away); "
+                        "evaluate more rows")
     positions = report.position_rows(dp_group) if args.positions_out else None
     costs = None if args.no_speedup else cost_model(args, cfg, model, gamma, comm)
     if rank != 0:

@@ -135,6 +135,10 @@ def _positive(value, name: str) -> None:
         raise ConfigError(f"{name}={value!r} must be >= 1")
 
 
+TEMPERATURE_RANGE = (1e-3, 1e3)
+"""Allowed ``loss.target_temperature`` / ``loss.draft_temperature``."""
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no process group. World-size checks live in ``parallel_sizes``."""
     m, p, t, mtp = cfg.model, cfg.parallel, cfg.train, cfg.mtp
@@ -146,8 +150,11 @@ def validate(cfg: Config) -> None:
     _choice(cfg.loss.type, "loss.type", LOSS_TYPES)
     if not cfg.loss.lk_eta > 0 or cfg.loss.lk_eta == float("inf"):
         raise ConfigError(f"loss.lk_eta={cfg.loss.lk_eta!r} must be a finite number > 0")
-    if cfg.loss.target_temperature <= 0 or cfg.loss.draft_temperature <= 0:
-        raise ConfigError("loss.target_temperature and loss.draft_temperature must be > 0")
+    for name in ("target_temperature", "draft_temperature"):
+        value = getattr(cfg.loss, name)
+        if not TEMPERATURE_RANGE[0] <= value <= TEMPERATURE_RANGE[1]:  # NaN fails too
+            raise ConfigError(f"loss.{name}={value!r} must be in [{TEMPERATURE_RANGE[0]:g}, {TEMPERATURE_RANGE[1]:g}] "
+                              "(the logits are divided by it; beyond that range the softmax overflows)")
     _positive(cfg.loss.chunk_tokens, "loss.chunk_tokens")
     _choice(cfg.loss.impl, "loss.impl", ("torch", "triton"))
     if cfg.loss.impl == "triton" and cfg.loss.type in ("lk", "e2e_lk"):
@@ -171,6 +178,10 @@ def validate(cfg: Config) -> None:
         _positive(getattr(t, name), f"train.{name}")
     _positive(mtp.num_layers, "mtp.num_layers")
     _positive(mtp.num_steps, "mtp.num_steps")
+    if t.seq_length <= mtp.num_steps:  # step k at position t predicts token t+k+1 of the same row
+        raise ConfigError(f"train.seq_length={t.seq_length} must be > mtp.num_steps={mtp.num_steps}: MTP step k "
+                          "trains only on positions whose token k+1 ahead is in the row, so with rows this short "
+                          "the last steps train on nothing")
     validate_sizes(cfg)
     _choice(mtp.next_step_input, "mtp.next_step_input", ("pre_norm", "post_norm"))
     _choice(m.backbone_init, "model.backbone_init", ("random", "fit_synthetic"))

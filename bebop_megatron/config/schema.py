@@ -185,7 +185,8 @@ class ParallelConfig:
     ``"Et*4|m*3L"`` puts 4 layers on stage 0 and a standalone MTP stage (K=3) on stage 1.
     None places the MTP block on the last stage with the last decoder layers."""
     distributed_optimizer: bool = False
-    """Shard optimizer state across data-parallel ranks."""
+    """Shard optimizer state across data-parallel ranks. Fixed for a run: a resume that changes it is
+    refused (the optimizer state is saved in another format)."""
 
 
 @dataclass
@@ -202,9 +203,9 @@ class LossConfig:
     """eta of ``lk`` / ``e2e_lk``: lambda = exp(-lk_eta x the detached acceptance), so a larger
     eta hands over from KL to TV at a lower acceptance; > 0 (ignored by the other types)."""
     target_temperature: float = 1.0
-    """Backbone logits are divided by it before the softmax."""
+    """Backbone logits are divided by it before the softmax; 0.001 to 1000."""
     draft_temperature: float = 1.0
-    """Draft (MTP) logits are divided by it before the softmax."""
+    """Draft (MTP) logits are divided by it before the softmax; 0.001 to 1000."""
     chunk_tokens: int = 512
     """Tokens (sequence positions x micro-batch) per loss-kernel call: bounds the float32
     logits and temporaries to a few ``chunk_tokens x V_local`` buffers per MTP step."""
@@ -262,9 +263,11 @@ class TrainConfig:
     lr: float = 1e-3
     min_lr: float = 0.0
     lr_schedule: str = "constant"
-    """``constant`` (with warmup; the paper's recipe) or ``cosine``."""
+    """``constant`` (with warmup; the paper's recipe) or ``cosine`` (after the warmup, down to ``min_lr`` at the
+    last step)."""
     warmup_fraction: float = 0.03
-    """Fraction of ``steps`` spent in linear warmup."""
+    """Fraction of ``steps`` spent in linear warmup: with W = round(warmup_fraction * steps), step
+    n <= W trains at lr * n / W (the first at lr / W, never 0)."""
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -279,7 +282,8 @@ class TrainConfig:
     that defines the model, the backbone or the data is refused (``model.*`` and ``mtp.*``
     except ``model.transformer_impl`` and ``mtp.init``; ``precision`` except bf16<->fp8;
     ``train.seq_length``; ``data.train_files/tokenizer/train_on/pack/overlong/num_samples/
-    markov_branching/markov_min_branching/seed``; ``train.seed`` with a random backbone; see
+    markov_branching/markov_min_branching/seed``; ``train.seed`` with a random backbone;
+    ``parallel.distributed_optimizer`` (its optimizer state is saved in another format); see
     ``bebop_megatron/training/resume.py``). Other changes are listed in one line; a new LR
     schedule (``train.lr/min_lr/lr_schedule/warmup_fraction/weight_decay/steps``) applies from
     the resumed step on. ``none``: start at step 0; refused if ``save.dir`` already holds

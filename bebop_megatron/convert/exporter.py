@@ -69,6 +69,20 @@ def expected_shapes(fmt, config: dict, num_mtp: int, target: str, mtp_only: bool
     return out
 
 
+def _check_out(out_dir: str, overwrite: bool) -> None:
+    """Before any work: never write into a Megatron checkpoint, nor into a non-empty directory
+    (a user's files, an earlier export) unless ``overwrite``."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConvertError(f"--out {out_dir} exists and is not a directory")
+    if os.path.isfile(os.path.join(out_dir, "metadata.json")):
+        raise ConvertError(f"--out {out_dir} holds a Megatron checkpoint; refusing to write into it")
+    entries = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if entries and not overwrite:
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise ConvertError(f"--out {out_dir} is not empty ({shown}); pass --overwrite to write into it (files of the "
+                           "same names are replaced, earlier weight files removed), or choose another directory")
+
+
 def _prepare_out(out_dir: str, inputs: list) -> None:
     """Create ``out_dir``; remove an earlier export's weight files (a different shard count
     would leave stale shards); never write into an input directory."""
@@ -96,8 +110,9 @@ def _hf_dir(explicit, candidates) -> str:
 def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, backbone: str | None = None,
                   hf_dir: str | None = None, mtp_only: bool = False, verify: bool = True, tol: float = 1e-4,
                   progress: bool = True, allow_moved_backbone: bool = False, num_steps: int | None = None,
-                  vllm_handoff: str | None = None, log=print) -> dict:
+                  vllm_handoff: str | None = None, overwrite: bool = False, log=print) -> dict:
     """Write ``out_dir``; returns a summary (number of tensors, verification differences).
+    A non-empty ``out_dir`` is refused unless ``overwrite``.
 
     ``backbone`` must be the one a training checkpoint's heads were trained on (its recorded
     path and fingerprint; with ``allow_moved_backbone`` the fingerprint alone). ``num_steps``:
@@ -111,6 +126,7 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     if target not in TARGETS:
         raise ConvertError(f"unknown --target {target!r} (choose from {', '.join(TARGETS)})")
     fmt = get_format(fmt_name)
+    _check_out(out_dir, overwrite)
     engine = handoff_mod.engine_handoff(fmt, target, vllm_handoff)
     ckpt = megatron_io.resolve_checkpoint(checkpoint)
     shapes = megatron_io.checkpoint_shapes(ckpt)

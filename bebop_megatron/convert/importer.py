@@ -149,12 +149,29 @@ def load_hf_model(hf_dir: str, *, mtp_num_steps: int | None = None, mtp_init: st
     return ImportedModel(model, cfg, hf, model_cfg, num_mtp, steps, rows, vision)
 
 
+def _check_out(out_dir: str, overwrite: bool) -> None:
+    """Refuse an ``out_dir`` whose contents would be lost: a Megatron checkpoint (a training run's
+    ``iter_N`` or an earlier import) unless ``overwrite``; any other non-empty path always (the
+    save deletes the directory first, so --overwrite must never reach a user's other files)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConvertError(f"--out {out_dir} exists and is not a directory")
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        return
+    if not os.path.isfile(os.path.join(out_dir, "metadata.json")):
+        raise ConvertError(f"--out {out_dir} is not empty and is not a Megatron checkpoint (--overwrite replaces only "
+                           "a checkpoint); choose another directory")
+    if not overwrite:
+        kind = "an earlier import" if os.path.isfile(os.path.join(out_dir, "bebop_model.yaml")) else "a checkpoint"
+        raise ConvertError(f"--out {out_dir} already holds a Megatron checkpoint ({kind}); pass --overwrite to "
+                           "replace it, or choose another directory")
+
+
 def convert_from_hf(hf_dir: str, out_dir: str, *, mtp_num_steps: int | None = None, mtp_init: str = "random",
                     make_vocab_size_divisible_by: int = 128, max_tensor_parallel: int = 8,
-                    progress: bool = True, log=print) -> dict:
-    """Write ``out_dir`` (a distributed checkpoint); returns the model/mtp config sections."""
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(os.path.join(out_dir, "metadata.json")):
-        raise ConvertError(f"--out {out_dir} exists and is not a Megatron checkpoint; refusing to overwrite it")
+                    progress: bool = True, overwrite: bool = False, log=print) -> dict:
+    """Write ``out_dir`` (a distributed checkpoint); returns the model/mtp config sections.
+    An existing checkpoint there is replaced only with ``overwrite``."""
+    _check_out(out_dir, overwrite)
     imported = load_hf_model(hf_dir, mtp_num_steps=mtp_num_steps, mtp_init=mtp_init,
                              make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                              max_tensor_parallel=max_tensor_parallel, progress=progress, log=log)

@@ -85,6 +85,32 @@ def build_synthetic_held_out(cfg, num_samples: int) -> MarkovDataset:
                          min_branching=d.markov_min_branching, index_offset=d.num_samples)
 
 
+def check_trainable(dataset, field: str, purpose: str = "train") -> None:
+    """Refuse data on which no MTP step is ever valid (the run would train on nothing, loss 0).
+
+    Step 1 at row position t needs the label of t+1 trained and in t's document, i.e. a
+    trained token at index >= 2 of a document, inside the row (index <= seq_length). Stops at
+    the first such document; only data without one is read in full."""
+    if not isinstance(dataset, PackedDataset):
+        return  # synthetic rows: every position is trained (train.seq_length > mtp.num_steps)
+    S, offsets = dataset.seq_length, dataset.offsets
+    truncated = 0
+    for global_id in np.unique(np.concatenate(dataset.streams)):
+        s = int(np.searchsorted(offsets, global_id, side="right")) - 1
+        _, mask = dataset.sources[s].get(int(global_id - offsets[s]))
+        if np.any(mask[2 : S + 1]):
+            return
+        truncated += bool(np.any(mask[S + 1 :]))
+    if truncated:
+        why = (f"every trained (response) token lies past the first train.seq_length + 1 = {S + 1} tokens of its "
+               f"document and is truncated away ({truncated} documents: prompts longer than the row); raise "
+               "train.seq_length or shorten the prompts")
+    else:
+        why = ("no document has a trained token after its first two (data.train_on=response with empty or "
+               "one-token responses?)")
+    raise DataError(f"{field}: no position to {purpose} the MTP heads on: {why}")
+
+
 def _build_packed(cfg, specs: list[SourceSpec], tokenizer, *, shuffle, name, log, progress) -> PackedDataset:
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg)

@@ -74,6 +74,10 @@ def build_optimizer(cfg: Config, ddp_model):
         wd_incr_steps=t.steps,
         wd_incr_style="constant",
     )
+    # Step n's update uses the schedule at n (Megatron's convention is n - 1): the warmup's first
+    # step trains at lr / warmup, not 0, and a cosine decay reaches min_lr at the last step. The
+    # schedule stays a function of the step alone: a resume advances it by the resumed step.
+    scheduler.step(increment=1)
     return optimizer, scheduler
 
 

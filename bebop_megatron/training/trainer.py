@@ -24,6 +24,7 @@ from bebop_megatron.data import (
     batch_iterator,
     build_train_dataset,
     build_valid_dataset,
+    check_trainable,
     eval_batches,
     load_tokenizer,
 )
@@ -144,6 +145,9 @@ class Trainer:
         tokenizer = load_tokenizer(cfg) if real_data else None
         self.dataset = build_train_dataset(cfg, tokenizer=tokenizer, log=self.log, progress=self.rank == 0)
         self.valid_dataset = build_valid_dataset(cfg, tokenizer=tokenizer, log=self.log, progress=self.rank == 0)
+        check_trainable(self.dataset, "data.train_files")  # before the model: a run on nothing is refused
+        if self.valid_dataset is not None:
+            check_trainable(self.valid_dataset, "data.valid_files")
         self.sizes = setup_parallel(cfg, self.world)
         self.model = build_model(cfg, self.device)
         if cfg.model.backbone_checkpoint:
@@ -291,12 +295,17 @@ class Trainer:
         self.scheduler.step(increment=1)
         return torch.tensor(norms.total if norms is not None else 0.0)
 
+    def current_lr(self) -> float:
+        """The LR the next update uses (the scheduler has set it for the step to come)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
     def train_step(self, micro_batches) -> StepMetrics:
         outputs = self.forward_backward(micro_batches)
+        lr = self.current_lr()  # read before optimizer_step advances the schedule: the LR this update uses
         grad_norm = self.optimizer_step(outputs)
         self.step += 1
         self.consumed_samples += self.cfg.train.global_batch_size
-        metrics = self.reduce_metrics(outputs, grad_norm)
+        metrics = self.reduce_metrics(outputs, grad_norm, lr=lr)
         metrics.extra["skipped"] = self.last_step_skipped
         if self.last_step_skipped:
             self.log(f"step {self.step}: non-finite loss or gradient, update skipped "
@@ -304,11 +313,12 @@ class Trainer:
         self.guard.record(self.last_step_skipped, self.step)  # raises after too many in a row
         return metrics
 
-    def reduce_metrics(self, outputs: list, grad_norm: torch.Tensor) -> StepMetrics:
+    def reduce_metrics(self, outputs: list, grad_norm: torch.Tensor, lr: float | None = None) -> StepMetrics:
         """One all-reduce per step brings the logged numbers to every rank.
 
         Only one rank per data-parallel replica of the MTP stage contributes (its TP ranks
-        hold copies of the same sums).
+        hold copies of the same sums). ``lr``: the LR the step's update used (default: the
+        next update's, for evaluations).
         """
         K, R = self.cfg.mtp.num_steps, len(STAT_ROWS)
         report = torch.zeros(3 + R * K)
@@ -334,7 +344,7 @@ class Trainer:
             step=self.step,
             loss=float(report[0] / report[1].clamp(min=1)),
             grad_norm=float(report[2]),
-            lr=float(self.optimizer.param_groups[0]["lr"]),
+            lr=self.current_lr() if lr is None else lr,
             top1=mean["top1_correct"],
             ce=mean["ce_sum"],
             alpha_rs=mean["alpha_rs"],
