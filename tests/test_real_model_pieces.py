@@ -163,3 +163,17 @@ def test_write_results_on_a_fake_run(tmp_path):
     assert "| e2e_tv (from identity) | 1 |" in text and "| init random | 0.7 |" in text
     assert "## e2e TV minus CE" in text and "| identity | 0.100 / 0.050 / 0.020 | 12.5 |" in text
     assert "| TP1 | 4.00e-05 | 1.0000 |" in text
+
+
+def test_bootstrap_resample_as_weights_equals_the_resampled_rows():
+    """A resample's statistics as weighted sums (multiplicities of the positions) equal
+    point_metrics on the resampled rows themselves."""
+    rows = fake_rows(3, N=400)
+    rng = np.random.default_rng(3)
+    cols = results._columns(rows, 3)
+    for _ in range(3):
+        idx = rng.integers(0, 400, 400)
+        fast = results._weighted(cols, np.bincount(idx, minlength=400).astype(np.float64))
+        direct = results.point_metrics({k: np.asarray(v)[:, idx] for k, v in rows.items()}, 3)
+        for k, v in fast.items():
+            assert v == pytest.approx(direct[k], rel=1e-9, abs=1e-12), k

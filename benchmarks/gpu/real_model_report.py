@@ -147,7 +147,9 @@ def build(src: Path, num_boot: int) -> tuple[str, dict]:
                          f"{r['peak_mem_gib']:.1f} | {r['final_train_loss']:.4f} | {r['train_s']:.0f} | "
                          f"{r['eval_s']:.0f} |")
         curves_png(runs, names, src / f"curves_{condition}.png", f"{summary['model']}: {title.lower()}")
-        lines += ["", f"Learning curves: `curves_gpu_{condition}.png`."]
+        lines += ["", f"Learning curves: `curves_gpu_{condition}.png` (the trainer's own held-out pass over the first "
+                      f"{s['curve_rows']} held-out rows of {s['seq_length']} tokens, T=1, every "
+                      f"{max(1, summary['steps_per_run'] // s['curve_points'])} steps and after the last)."]
         for n in names:
             csv_rows[n] = {**csv_metrics(boot[runs[n]["loss"]], temps, 3, GAMMA),
                            "tokens": runs[n]["tokens"], "tokens_per_s": runs[n]["tokens_per_s"]}

@@ -46,16 +46,57 @@ def point_metrics(rows: dict, gamma: int) -> dict[str, float]:
     return out
 
 
+def _columns(rows: dict, gamma: int) -> dict:
+    """Per-position vectors from which every statistic of :func:`point_metrics` is a weighted
+    sum: ``name -> (numerator, denominator)`` for the means, and the moments of the slope."""
+    chain = np.asarray(rows["chain"], dtype=bool)
+    cols = {}
+    K = chain.shape[0]
+    for name in ("alpha_rs", "alpha_to"):
+        a = np.asarray(rows[name], dtype=np.float64)
+        for k in range(K):
+            cols[f"{name}_step{k + 1}"] = (np.where(chain[k], a[k], 0.0), chain[k].astype(np.float64))
+        full = chain[gamma - 1]
+        accept_len = np.cumsum(np.cumprod(a[:gamma], axis=0), axis=0)[gamma - 1]
+        cols[f"accept_len_{name[-2:]}_g{gamma}"] = (np.where(full, accept_len, 0.0), full.astype(np.float64))
+    m = chain[0].astype(np.float64)
+    h = np.where(chain[0], np.asarray(rows["entropy_target"], dtype=np.float64)[0], 0.0)
+    y = np.where(chain[0], np.asarray(rows["alpha_rs"], dtype=np.float64)[0], 0.0)
+    cols["_slope"] = np.stack([m, h, y, h * h, h * y])
+    return cols
+
+
+def _weighted(cols: dict, w: np.ndarray) -> dict[str, float]:
+    """The statistics of a resample given as multiplicities ``w`` of the positions."""
+    out = {}
+    for name, value in cols.items():
+        if name == "_slope":
+            n, sx, sy, sxx, sxy = value @ w
+            var = n * sxx - sx * sx
+            out["entropy_slope_rs"] = float((n * sxy - sx * sy) / var) if n >= 2 and var > 1e-12 * max(n * sxx, 1e-300) \
+                else float("nan")
+        else:
+            num, den = value
+            d = den @ w
+            out[name] = float((num @ w) / d) if d > 0 else float("nan")
+    return out
+
+
 def bootstrap(rows: dict, gamma: int, num_boot: int = 1000, seed: int = 0) -> dict[str, tuple[float, float, float]]:
-    """``name -> (value, low, high)``: the point value and the percentile 95% interval."""
+    """``name -> (value, low, high)``: the point value and the percentile 95% interval.
+
+    Each resample draws ``n`` positions with replacement (``rng.integers(0, n, n)``) and
+    recomputes every statistic; as multiplicities of the positions, the statistics are
+    weighted sums of per-position vectors (:func:`_columns`), so a resample costs a few dot
+    products instead of the statistics' full computation."""
     rows = {k: np.asarray(v) for k, v in rows.items()}
     n = rows["chain"].shape[1]
     point = point_metrics(rows, gamma)
+    cols = _columns(rows, gamma)
     rng = np.random.default_rng(seed)
     samples: dict[str, list[float]] = {k: [] for k in point if k != "num_positions"}
     for _ in range(num_boot):
-        idx = rng.integers(0, n, n)
-        m = point_metrics({k: v[:, idx] for k, v in rows.items()}, gamma)
+        m = _weighted(cols, np.bincount(rng.integers(0, n, n), minlength=n).astype(np.float64))
         for k in samples:
             samples[k].append(m[k])
     out = {}
@@ -120,12 +161,12 @@ def paired_difference(rows_a: dict, rows_b: dict, gamma: int, names, num_boot: i
         raise ValueError("paired_difference needs the same held-out positions in both runs")
     n = rows_a["chain"].shape[1]
     pa, pb = point_metrics(rows_a, gamma), point_metrics(rows_b, gamma)
+    cols_a, cols_b = _columns(rows_a, gamma), _columns(rows_b, gamma)
     rng = np.random.default_rng(seed)
     samples = {k: [] for k in names}
     for _ in range(num_boot):
-        idx = rng.integers(0, n, n)
-        ma = point_metrics({k: v[:, idx] for k, v in rows_a.items()}, gamma)
-        mb = point_metrics({k: v[:, idx] for k, v in rows_b.items()}, gamma)
+        w = np.bincount(rng.integers(0, n, n), minlength=n).astype(np.float64)
+        ma, mb = _weighted(cols_a, w), _weighted(cols_b, w)
         for k in names:
             samples[k].append(ma[k] - mb[k])
     out = {}
