@@ -191,14 +191,16 @@ class ParallelConfig:
 
 @dataclass
 class LossConfig:
-    type: str = "e2e_tv"
-    """MTP objective: ``e2e_tv`` (Eq. 13, the method), ``tv`` (per-step TV, Eq. 10), ``kl``
-    (forward KL(p||q)), ``reverse_kl`` (KL(q||p)), or the cold-start objectives (for heads
-    that start from nothing; DESIGN.md section 1) ``nla`` (-log alpha per step), ``e2e_nla``
-    (-log(E[L]/K) per chain), ``lk`` (lambda KL + (1 - lambda) TV per step, lambda =
-    exp(-lk_eta sg(alpha))), ``e2e_lk`` (the chain-level blend of KL and e2e TV), all against
-    the frozen backbone's distribution over the full vocabulary; or ``ce`` (cross-entropy on
-    the data tokens, Megatron's default MTP loss)."""
+    type: str = "e2e_nla"
+    """MTP objective. Default ``e2e_nla``: -log(E[L]/K) per chain, the best of ``ce``, ``kl``,
+    ``e2e_tv`` and ``e2e_nla`` on a real model both from a fresh head and from an existing ce
+    head in the one study so far (``benchmarks/real_model/RESULTS_gpu.md``). The others:
+    ``e2e_tv`` (Eq. 13, the paper's), ``tv`` (per-step TV, Eq. 10), ``kl`` (forward
+    KL(p||q)), ``reverse_kl`` (KL(q||p)), the cold-start objectives (for heads that start from
+    nothing) ``nla`` (-log alpha per step), ``lk`` (lambda KL + (1 - lambda) TV per step,
+    lambda = exp(-lk_eta sg(alpha))), ``e2e_lk`` (the chain-level blend of KL and e2e TV), all
+    against the frozen backbone's distribution over the full vocabulary; or ``ce``
+    (cross-entropy on the data tokens, Megatron's default MTP loss)."""
     lk_eta: float = 3.0
     """eta of ``lk`` / ``e2e_lk``: lambda = exp(-lk_eta x the detached acceptance), so a larger
     eta hands over from KL to TV at a lower acceptance; > 0 (ignored by the other types)."""
