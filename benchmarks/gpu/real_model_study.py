@@ -38,6 +38,7 @@ on a random tiny Llama that it writes itself (or ``--hf-dir`` / ``--prompts``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -189,20 +190,27 @@ def train_config(meg: Path, data: Path, args, *, loss: str, steps: int, lr: floa
     return load_config(str(meg / "bebop_model.yaml"), overrides)
 
 
+@functools.lru_cache(maxsize=1)
+def _eval_acceptance_tool():
+    """``tools/eval_acceptance.py`` as a module (its per-micro-batch statistics), loaded once."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_acceptance_tool", REPO / "tools" / "eval_acceptance.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
 def held_out_rows(trainer, args) -> dict:
     """Per-position acceptance rows of every held-out row at each temperature (the statistics of
     ``tools/eval_acceptance.py``, on the trainer's model)."""
-    import importlib.util
-
     import torch
     from megatron.core import parallel_state
 
     from bebop_megatron.data import eval_batches
     from bebop_megatron.metrics.report import AcceptanceReport
 
-    spec = importlib.util.spec_from_file_location("eval_acceptance_tool", REPO / "tools" / "eval_acceptance.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _eval_acceptance_tool()
     cfg = trainer.cfg
     model = trainer.model.module
     K = cfg.mtp.num_steps
