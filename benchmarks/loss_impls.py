@@ -10,11 +10,10 @@ import statistics
 import time
 
 from common import PeakRSS, append_results, device_label
+from loss_inputs import inputs, naive_loss
 
 
 def _inputs(args, torch, device, dtype):
-    from benchmark_tv_loss import inputs
-
     draft, backbone, weight, valid = inputs(args)  # float32, CPU, from the same seed
     draft = draft.detach().to(device, dtype).requires_grad_(True)
     return draft, backbone.to(device, dtype), weight.to(device, dtype), valid.to(device)
@@ -85,8 +84,6 @@ def compare_impls(args) -> None:
         metrics |= {f"{name}_ms": res[name]["ms"], f"{name}_mem_mb": res[name]["mem_mb"],
                     f"{name}_over_gemm": res[name]["ms"] / gemm_ms}
     if K * T * weight.shape[0] <= 2**24:  # small enough for the float64 formula (the dry run's size)
-        from benchmark_tv_loss import naive_loss
-
         ref = float(naive_loss(*(t.detach().double() for t in (draft, backbone, weight)), valid))
         for name in impls:
             metrics[f"{name}_loss_abs_diff_float64"] = abs(res[name]["loss"] - ref)

@@ -104,7 +104,7 @@ class _Toy:
 def test_draft_chain_against_the_recursion(num_layers, handoff):
     """Step k uses layer (k-1) % num_layers on positions [0, S-k), the tokens k positions on,
     and the previous step's output after (post_norm) or before (pre_norm) the final norm."""
-    from bebop_megatron.convert.verify import draft_chain
+    from bebop_megatron.convert.reference_chain import draft_chain
 
     toy, S, K = _Toy(num_layers), 9, 3
     tokens = torch.randint(0, 7, (2, S), generator=torch.Generator().manual_seed(1))

@@ -12,6 +12,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from bebop_megatron.config.errors import ConfigError
 from bebop_megatron.config.schema import Config
 from bebop_megatron.config.sizes import validate_sizes
+from bebop_megatron.config.sources import validate_data
 from bebop_megatron.config.yaml_file import default_save_dir, read_config_file
 
 
@@ -275,8 +276,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"eval.interval={cfg.eval.interval} must be >= 0")
     if cfg.eval.max_samples < 0:
         raise ConfigError(f"eval.max_samples={cfg.eval.max_samples} must be >= 0")
-    from bebop_megatron.config.sources import validate_data  # imports ConfigError from here
-
     validate_data(cfg)
 
 

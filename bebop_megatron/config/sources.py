@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from bebop_megatron.config.loader import ConfigError
+from bebop_megatron.config.errors import ConfigError
 
 TRAIN_ON = ("response", "all")
 ON_ERROR = ("fail", "skip")

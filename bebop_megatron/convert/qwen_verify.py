@@ -12,7 +12,7 @@ zero-centred RMSNorm and rotary classes of the family, never Megatron's modules:
 ``(tensors, cfg, num_layers, fmt_name, *, emb, head, sglang_nextn)``, ``step``, ``logits``) and
 :func:`backbone_hidden` the backbone forwards' signature; both are registered in
 ``verify.REFERENCES`` / ``verify.BACKBONES`` under ``qwen3_5`` and ``qwen3_next``, so
-``--verify`` runs them through the generic K-step :func:`bebop_megatron.convert.verify.draft_chain`;
+``--verify`` runs them through the generic K-step :func:`bebop_megatron.convert.reference_chain.draft_chain`;
 :func:`draft_logits` is that chain for these formats.
 
 Legend: B batch, S sequence, L positions a step predicts (S - k), H hidden, V vocabulary.
@@ -25,7 +25,8 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-# verify.py imports this module at its end to register it: its helpers are imported where used.
+from bebop_megatron.convert.reference_chain import causal_mask, fused_experts, draft_chain
+
 
 MODULES = {"qwen3_next": ("qwen3_next", "Qwen3Next"), "qwen3_5_text": ("qwen3_5", "Qwen3_5"),
            "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5Moe")}
@@ -65,9 +66,7 @@ class QwenReference:
         layer = _cls(self.text, "DecoderLayer")(self.text, layer_idx=self.text.layer_types.index("full_attention"))
         sd = {k[len(p):]: v.float() for k, v in self.tensors.items() if k.startswith(p)}
         if "mlp.experts.0.gate_proj.weight" in sd:
-            from bebop_megatron.convert.verify import _fused_experts
-
-            sd = _fused_experts(sd, self.text.num_experts)
+            sd = fused_experts(sd, self.text.num_experts)
         layer.float().eval().load_state_dict(sd, strict=True)
         return layer
 
@@ -78,15 +77,13 @@ class QwenReference:
 
     def step(self, i: int, h_BLH: torch.Tensor, tokens_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer ``i``: (its output before ``mtp.norm``, after it)."""
-        from bebop_megatron.convert.verify import _causal_mask
-
         e_BLH = F.embedding(tokens_BL, self.emb)
         x = torch.cat([self._norm("mtp.pre_fc_norm_embedding.weight")(e_BLH),
                        self._norm("mtp.pre_fc_norm_hidden.weight")(h_BLH)], dim=-1)
         x = x @ self.tensors["mtp.fc.weight"].float().T
         B, L = x.shape[:2]
         pos = torch.arange(L).unsqueeze(0).expand(B, L)
-        y = self.layers[i](x, position_embeddings=self.rotary(x, pos), attention_mask=_causal_mask(B, L),
+        y = self.layers[i](x, position_embeddings=self.rotary(x, pos), attention_mask=causal_mask(B, L),
                            position_ids=pos)
         y = y[0] if isinstance(y, tuple) else y
         return y, self._norm("mtp.norm.weight")(y)
@@ -98,10 +95,8 @@ class QwenReference:
 def draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor, num_steps: int,
                  emb: torch.Tensor, head: torch.Tensor, handoff: str = "post_norm") -> list[torch.Tensor]:
     """Draft logits ``[B, S-k, V]`` of steps k = 1..num_steps through layer ``(k-1) % num_layers``
-    (:class:`QwenReference` through :func:`bebop_megatron.convert.verify.draft_chain`), handing
+    (:class:`QwenReference` through :func:`bebop_megatron.convert.reference_chain.draft_chain`), handing
     on the ``mtp.norm`` output as both engines do (``pre_norm``: the output before it, a control)."""
-    from bebop_megatron.convert.verify import draft_chain
-
     num_layers = len({k.split(".")[2] for k in tensors if k.startswith("mtp.layers.")})
     ref = QwenReference(tensors, cfg, num_layers, emb=emb, head=head)
     return draft_chain(ref, hidden_BSH, tokens_BS, num_steps, handoff)

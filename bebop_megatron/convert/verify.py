@@ -13,7 +13,7 @@ embedding at position 0; training does not, so neither does the comparison.)
 A format plugs in with a reference class in ``REFERENCES`` (constructor
 ``(tensors, cfg, num_layers, fmt_name, *, emb, head, sglang_nextn)``, methods ``step`` and
 ``logits``, see :class:`MiMoReference`) and, for full exports, a backbone
-forward in ``BACKBONES``; :func:`draft_chain` runs the K steps for every format alike.
+forward in ``BACKBONES``; :func:`~bebop_megatron.convert.reference_chain.draft_chain` runs the K steps for every format alike.
 
 Legend: B batch, S sequence, L positions a step predicts (S - k), H hidden, V vocabulary.
 """
@@ -23,7 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bebop_megatron.convert import qwen_verify
 from bebop_megatron.convert.errors import ConvertError
+from bebop_megatron.convert.reference_chain import causal_mask, draft_chain, fused_experts
 
 DROP = ("architectures", "model_type", "auto_map", "transformers_version", "num_nextn_predict_layers")
 
@@ -45,11 +47,6 @@ def check_keys(tensors: dict, expected: dict) -> None:
     wrong = [(k, tuple(tensors[k].shape), expected[k]) for k in expected if tuple(tensors[k].shape) != expected[k]]
     if wrong:
         raise ConvertError(f"written shapes differ from the format, e.g. {wrong[0][0]}: {wrong[0][1]} vs {wrong[0][2]}")
-
-
-def _causal_mask(B: int, L: int) -> torch.Tensor:
-    mask = torch.full((L, L), torch.finfo(torch.float32).min).triu(1)
-    return mask.expand(B, 1, L, L)
 
 
 def _rms(weight: torch.Tensor, eps: float):
@@ -118,26 +115,8 @@ class MiMoReference:
 def _decoder(layer, x_BLH: torch.Tensor, rotary) -> torch.Tensor:
     B, L = x_BLH.shape[:2]
     pos = torch.arange(L).unsqueeze(0).expand(B, L)
-    y = layer(x_BLH, attention_mask=_causal_mask(B, L), position_ids=pos, position_embeddings=rotary(x_BLH, pos))
+    y = layer(x_BLH, attention_mask=causal_mask(B, L), position_ids=pos, position_embeddings=rotary(x_BLH, pos))
     return y[0] if isinstance(y, tuple) else y
-
-
-@torch.no_grad()
-def draft_chain(ref, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor, num_steps: int,
-                handoff: str = "post_norm") -> list[torch.Tensor]:
-    """K draft steps of any format's reference; step k's logits are ``[B, S-k, V]``. Step k runs
-    MTP layer ``(k-1) % ref.num_layers`` and hands step k+1 its output after the final norm
-    (``post_norm``) or before it (``pre_norm``)."""
-    S = tokens_BS.shape[1]
-    h = hidden_BSH.to(torch.promote_types(hidden_BSH.dtype, torch.float32))  # float32 at least
-    out = []
-    for k in range(1, num_steps + 1):
-        L = S - k
-        i = (k - 1) % ref.num_layers
-        y, normed = ref.step(i, h[:, :L], tokens_BS[:, k:k + L])
-        out.append(ref.logits(i, normed))
-        h = y if handoff == "pre_norm" else normed
-    return out
 
 
 def mimo_draft_logits(tensors: dict, cfg: dict, hidden_BSH: torch.Tensor, tokens_BS: torch.Tensor,
@@ -189,17 +168,6 @@ def nextn_backbone_hidden(out_dir: str, cfg: dict, tokens_BS: torch.Tensor,
     return hidden, model.lm_head(hidden)
 
 
-def _fused_experts(sd: dict, num_experts: int) -> dict:
-    """Per-expert HF names -> transformers' in-memory ``experts.gate_up_proj`` / ``down_proj``."""
-    gate_up, down = [], []
-    for j in range(num_experts):
-        gate_up.append(torch.cat([sd.pop(f"mlp.experts.{j}.gate_proj.weight"), sd.pop(f"mlp.experts.{j}.up_proj.weight")]))
-        down.append(sd.pop(f"mlp.experts.{j}.down_proj.weight"))
-    sd["mlp.experts.gate_up_proj"] = torch.stack(gate_up)
-    sd["mlp.experts.down_proj"] = torch.stack(down)
-    return sd
-
-
 class NextNReference:
     """GLM-4.5 / DeepSeek-V3 NextN layer ``i``: ``eh_proj(cat(enorm(emb), hnorm(h)))``, the
     family's MoE decoder layer (transformers' class: GQA for GLM-4.5, MLA for DeepSeek-V3),
@@ -223,7 +191,7 @@ class NextNReference:
         layer = _nextn_class(self.fmt_name, "DecoderLayer")(self.gcfg, layer_idx=layer_idx).float().eval()
         sd = {n[len(p):]: v.float() for n, v in self.tensors.items()
               if n.startswith(p) and not n[len(p):].startswith(self.own)}
-        layer.load_state_dict(_fused_experts(sd, self.gcfg.n_routed_experts), strict=True)
+        layer.load_state_dict(fused_experts(sd, self.gcfg.n_routed_experts), strict=True)
         return layer
 
     def _norm(self, w: torch.Tensor):
@@ -253,8 +221,7 @@ BACKBONES = {
 }
 
 
-# Qwen3-Next / Qwen3.5 (``convert/qwen_verify.py``, which imports the helpers above where it uses them).
-from bebop_megatron.convert import qwen_verify  # noqa: E402
+# Qwen3-Next / Qwen3.5 (``convert/qwen_verify.py``).
 
 REFERENCES["qwen3_5"] = REFERENCES["qwen3_next"] = qwen_verify.QwenReference
 BACKBONES["qwen3_5"] = BACKBONES["qwen3_next"] = qwen_verify.backbone_hidden

@@ -8,6 +8,7 @@ analytic backward. ``reference`` holds the float64 plain-torch definitions the t
 from bebop_megatron.losses.kernel_torch import STAT_KEYS
 from bebop_megatron.losses.tv import (
     ACCEPT_LEN_KEYS,
+    accept_length_rows,
     chain_lengths,
     chain_mask,
     e2e_lk_loss,
@@ -28,7 +29,7 @@ OBJECTIVES = {
 }
 
 __all__ = [
-    "ACCEPT_LEN_KEYS", "OBJECTIVES", "STAT_KEYS", "chain_lengths", "chain_mask", "e2e_lk_loss", "e2e_nla_loss",
-    "e2e_tv_loss", "forward_kl_loss", "fused_linear_objective", "lk_loss", "nla_loss",
+    "ACCEPT_LEN_KEYS", "OBJECTIVES", "STAT_KEYS", "accept_length_rows", "chain_lengths", "chain_mask",
+    "e2e_lk_loss", "e2e_nla_loss", "e2e_tv_loss", "forward_kl_loss", "fused_linear_objective", "lk_loss", "nla_loss",
     "reverse_kl_loss", "tv_distance", "tv_loss",
 ]

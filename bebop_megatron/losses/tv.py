@@ -46,6 +46,11 @@ def chain_mask(valid_KN: torch.Tensor) -> torch.Tensor:
     return (valid_KN != 0).to(torch.int8).cumprod(dim=0).bool()
 
 
+def accept_length_rows(alpha_KN: torch.Tensor) -> torch.Tensor:
+    """``[K, N]``: row g-1 is E[L](g) = sum_{j<=g} prod_{i<=j} alpha_i of each position (Eq. 12)."""
+    return alpha_KN.cumprod(dim=0).cumsum(dim=0)
+
+
 def chain_lengths(valid_KN: torch.Tensor) -> torch.Tensor:
     """LongTensor ``[N]``: K_t, the number of leading valid steps of each position's chain."""
     return chain_mask(valid_KN).sum(dim=0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bebop_megatron.losses import chain_mask
+from bebop_megatron.losses import accept_length_rows, chain_mask
 from bebop_megatron.losses.functions import DEFAULT_CHUNK_TOKENS, row_kernel
 from bebop_megatron.losses.vocab import mask_padded_vocab_
 from bebop_megatron.losses.kernel_torch import Workspace, compute_dtype
@@ -72,11 +72,6 @@ def acceptance_rows(draft_logits, target_logits, *, tp_group=None, target_temper
     result = {name: row.view(lead) for name, row in zip(ROW_KEYS, stats_CR)}
     result["argmax_draft"] = argmax_R.view(lead)
     return result
-
-
-def accept_length_rows(alpha_KN: torch.Tensor) -> torch.Tensor:
-    """``[K, N]``: row g-1 is E[L](g) = sum_{j<=g} prod_{i<=j} alpha_i of each position (Eq. 12)."""
-    return alpha_KN.cumprod(dim=0).cumsum(dim=0)
 
 
 def accept_length_sums(alpha_KN: torch.Tensor, valid_KN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

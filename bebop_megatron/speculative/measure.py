@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from bebop_megatron.metrics.acceptance import accept_length_rows
+from bebop_megatron.losses import accept_length_rows
 from bebop_megatron.speculative.decoding import probs_of
 
 

@@ -156,10 +156,12 @@ def fit(cfg, out: str, log=print) -> dict:
     import torch
 
     from bebop_megatron.config import load_config, to_yaml
-    from bebop_megatron.convert import megatron_io
     from bebop_megatron.data import build_train_dataset, make_batch
     from bebop_megatron.losses.vocab import mask_padded_vocab_
+    from bebop_megatron.model import build_model
+    from bebop_megatron.platform import init_distributed
     from bebop_megatron.training.checkpoint import save_model_checkpoint
+    from bebop_megatron.training.parallel import setup_parallel
 
     torch.set_num_threads(FIT_THREADS)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -170,7 +172,9 @@ def fit(cfg, out: str, log=print) -> dict:
         "parallel.expert_tensor=null", "parallel.context=1", "parallel.sequence_parallel=false",
         f"train.seed={FIT_SEED}", "train.resume=none", "save.dir=null", "data.valid_files=[]",
     ], defaults=_container(to_yaml(cfg)))
-    model = megatron_io.build(fit_cfg)
+    init_distributed("cpu")  # a process group of one (gloo)
+    setup_parallel(fit_cfg, 1)
+    model = build_model(fit_cfg, "cpu")
     model.train()
     model.mtp_process = False  # the backbone alone: the forward returns its final hidden state
     params = [p for n, p in model.named_parameters() if not n.startswith("mtp.")]
