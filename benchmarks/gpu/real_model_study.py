@@ -473,7 +473,9 @@ def parse_args(argv=None):
     s.add_argument("--dry-run", action="store_true", help="tiny sizes on a random tiny Llama (CPU unless --device)")
     s.add_argument("--hf-dir", default=None, help="an HF model directory instead of the carried GGUF")
     s.add_argument("--prompts", default=None, help="folder of train.jsonl / heldout.jsonl (default WORK/prompts)")
-    s.add_argument("--objectives", default="ce,kl,e2e_tv")
+    s.add_argument("--objectives", default="ce,e2e_nla,e2e_lk,kl,e2e_tv",
+                   help="ce first (the fine-tuned start), then by priority: when the budget is short the last "
+                        "ones are dropped (default ce,e2e_nla,e2e_lk,kl,e2e_tv)")
     s.add_argument("--budget-s", type=float, default=520, help="the whole study, start to end (default 520)")
     s.add_argument("--reserve-s", type=float, default=25, help="kept free at the end (default 25)")
     s.add_argument("--gen-budget-s", type=float, default=110, help="response generation (default 110)")
