@@ -107,6 +107,36 @@ def test_study_dry_run(tmp_path):
     rows = data["csv"]["fresh_e2e_tv"]
     assert rows["alpha_rs_step1_T1"] == pytest.approx(runs["fresh_e2e_tv"]["metrics"]["1"]["alpha_rs_step1"], abs=2e-3)
     assert rows["alpha_rs_step1_T1_lo"] <= rows["alpha_rs_step1_T1"] <= rows["alpha_rs_step1_T1_hi"]
+    _check_returned_heads(out, work, runs)
+
+
+def _check_returned_heads(out, work, runs):
+    """The heads the study returns (fine-tuned ce, the best other fine-tuned head) and real
+    speculative decoding with them here (``real_model_speculative.py``)."""
+    import torch
+
+    ce, best = (torch.load(out / name, weights_only=True) for name in ("head_finetune_ce.pt", "head_best.pt"))
+    assert ce["run"] == "finetune_ce" and best["run"] == "finetune_e2e_tv"  # the only other fine-tuned run
+    assert best["metrics"]["1"]["accept_len_rs_g3"] == runs["finetune_e2e_tv"]["metrics"]["1"]["accept_len_rs_g3"]
+    assert {v.dtype for v in ce["mtp"].values()} == {torch.bfloat16}
+    assert any(not torch.equal(ce["mtp"][k], best["mtp"][k]) for k in ce["mtp"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "real_model_speculative.py"),
+                           "--from", str(out), "--model-dir", str(work / "megatron"),
+                           "--prompts", str(work / "tiny_prompts" / "heldout.jsonl"), "--num-prompts", "2",
+                           "--max-new-tokens", "6", "--temperatures", "1"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for head in ("head_finetune_ce", "head_best"):
+        r = json.loads((out / "speculative" / f"{head}_T1.json").read_text())
+        assert r["num_prompts"] == 2 and r["gamma"] == 3 and 0 <= r["measured_accept_len"] <= 3
+        # every verification emits its accepted drafts plus one token (the last may be cut at 6 tokens)
+        assert r["tokens_per_target_forward"] <= 1 + r["measured_accept_len"] + 1e-9
+        assert r["study"] == runs[r["run"]]["metrics"]["1"]
+    assert "| finetune_e2e_tv | e2e_tv | 1 |" in (out / "speculative.md").read_text()
+    report = _load("real_model_report", REPO / "benchmarks" / "gpu" / "real_model_report.py")
+    report.main(["--from", str(out), "--num-boot", "5"])
+    assert "Real speculative decoding with the returned heads" in (out / "RESULTS_gpu.md").read_text()
 
 
 def test_plan_fits_the_time_or_drops_the_last_objectives():
@@ -114,7 +144,7 @@ def test_plan_fits_the_time_or_drops_the_last_objectives():
     # 8 runs: (400 - 80) / (8 x 1.6) = 25 steps; 5M tokens would be 77.
     assert study_tool.fit_objectives(["ce", "kl", "e2e_tv", "e2e_nla"], left_s=400, **plan) == (
         25, ["ce", "kl", "e2e_tv", "e2e_nla"], [])
-    assert study_tool.plan_steps(left_s=10_000, num_runs=2, **plan) == 77  # capped by --target-tokens
+    assert sys.modules["real_model_runs"].plan_steps(left_s=10_000, num_runs=2, **plan) == 77  # capped by --target-tokens
     # 10 runs need 10 x (10 + 16) = 260 s at 10 steps: in 240 s the last objective goes, and the
     # other 8 runs get (240 - 80) / (8 x 1.6) = 12 steps.
     assert study_tool.fit_objectives(["ce", "kl", "e2e_tv", "e2e_nla", "e2e_lk"], left_s=240, **plan) == (

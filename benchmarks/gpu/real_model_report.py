@@ -11,6 +11,7 @@
   positions), the paired differences against ce and against kl (one resample of positions
   serves both runs), the run settings and throughput;
 - ``DIR/curves_<condition>.png``: held-out alpha_RS (step 1) and E[L](3) against training tokens;
+- ``DIR/speculative.md``, when ``real_model_speculative.py`` wrote it, is appended to ``RESULTS_gpu.md``;
 - with ``--publish``: both copied to ``benchmarks/real_model/`` (``RESULTS_gpu.md``,
   ``curves_gpu_<condition>.png``) and the rows appended to ``benchmarks/results.csv``
   (benchmark ``real_model_gpu``, the GPU's name in the ``machine`` column).
@@ -169,6 +170,8 @@ def main(argv=None) -> None:
         print(f"error: {src / 'summary.json'} not found: pass the folder the study wrote to", file=sys.stderr)
         sys.exit(2)
     text, data = build(src, args.num_boot)
+    if (src / "speculative.md").is_file():  # real_model_speculative.py's table of the returned heads
+        text = text.rstrip() + "\n\n" + (src / "speculative.md").read_text()
     (src / "RESULTS_gpu.md").write_text(text)
     print(text)
     if args.publish:

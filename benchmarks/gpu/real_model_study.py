@@ -29,7 +29,12 @@ Stages of ``study`` (each resumes from ``--work``; a stage that is complete is s
 7. after every run: held-out acceptance at T=1 and 0.7 (per-position rows, the
    ``tools/eval_acceptance.py`` statistics), the learning curve (the trainer's own held-out
    evaluation every ``steps / --curve-points`` steps), tokens/s; written to ``--out`` at once:
-   ``summary.json``, ``positions_fresh.npz``, ``positions_finetune.npz``, ``results_gpu.csv``.
+   ``summary.json``, ``positions_fresh.npz``, ``positions_finetune.npz`` (``real_model_report.py``
+   makes the tables, curves and CSV rows from them here);
+8. the heads that come back for real speculative decoding here (``real_model_speculative.py``):
+   the fine-tuned ``ce`` head and the best other fine-tuned head (held-out E[L](3) RS at T=1),
+   MTP weights only, bfloat16: ``head_finetune_ce.pt``, ``head_best.pt``
+   (``real_model_runs.HeadKeeper``; the best is rewritten whenever a run beats it).
 
 Nothing here is specific to a GPU but the sizes: ``--dry-run`` runs every stage at tiny sizes
 on a random tiny Llama that it writes itself (or ``--hf-dir`` / ``--prompts``).
@@ -39,11 +44,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -59,112 +62,12 @@ sys.path.insert(0, str(HERE.parent / "real_model"))
 import models  # noqa: E402
 from real_model_files import (STATUS_FILE, SPEC, StudyError, carry, log, make_tiny_model,  # noqa: E402
                               make_tiny_prompts, receive, set_log_file)
+from real_model_runs import HeadKeeper, Results, fit_objectives  # noqa: E402
+from real_model_stages import free_cuda, stage_dequantize, stage_import, stage_responses, stage_tokenize  # noqa: E402
 
 DEFAULT_WORK = REPO / ".gpu_work"  # ignored: stays on the machine between back-to-back calls
 TEMPERATURES = (1.0, 0.7)
 GAMMA = 3
-
-
-# ----------------------------------------------------------------------------- study stages
-
-
-def stage_dequantize(work: Path) -> Path:
-    hf = work / "hf"
-    if (hf / STATUS_FILE).is_file():
-        return hf
-    gguf = work / "model.gguf"
-    if not gguf.is_file():
-        raise StudyError(f"{gguf} is missing: run 'receive --part 1' and 'receive --part 2' first")
-    t0 = time.time()
-    models.dequantize(gguf, hf, SPEC.hf_class, log=log)
-    (hf / STATUS_FILE).write_text("ok\n")
-    log(f"dequantize: {time.time() - t0:.0f} s")
-    return hf
-
-
-def stage_import(hf: Path, work: Path) -> Path:
-    meg = work / "megatron"
-    if (meg / STATUS_FILE).is_file():
-        return meg
-    shutil.rmtree(meg, ignore_errors=True)
-    t0 = time.time()
-    subprocess.run([sys.executable, REPO / "tools" / "convert_from_hf.py", "--hf-dir", hf, "--out", meg,
-                    "--mtp-num-steps", "3", "--no-progress"], check=True, cwd=REPO)
-    (meg / STATUS_FILE).write_text("ok\n")
-    log(f"import: {time.time() - t0:.0f} s")
-    return meg
-
-
-def stage_responses(hf: Path, prompts: Path, data: Path, args, deadline: float) -> dict:
-    """The model's answers at T=1; generation stops at ``deadline`` (between batches)."""
-    from bebop_megatron.data.generate import ExistingOutput, load_existing, plan_jobs, read_prompts, run_generation
-    from bebop_megatron.data.generate_hf import HFBackend
-
-    data.mkdir(parents=True, exist_ok=True)
-    backend = None
-    stats = {}
-    for split, limit in (("heldout", args.num_heldout), ("train", args.num_train)):
-        out = data / f"{split}.jsonl"
-        existing = load_existing(str(out)) if out.is_file() else None
-        done = existing.done if existing else set()
-        prompt_set = read_prompts(str(prompts / f"{split}.jsonl"), limit=limit)
-        jobs = plan_jobs(prompt_set.prompts, 1, args.seed + (split == "heldout"), done)
-        written, tokens, seconds = len(done), 0, 0.0
-        chunk = args.gen_batch_size * args.gen_chunk_batches
-        for lo in range(0, len(jobs), chunk):
-            if time.time() > deadline and written > 0:
-                log(f"responses ({split}): generation budget spent; {len(jobs) - lo} prompts left out")
-                break
-            if backend is None:
-                backend = HFBackend(str(hf), max_new_tokens=args.max_new_tokens, temperature=1.0,
-                                    batch_size=args.gen_batch_size, device=args.device,
-                                    dtype="bf16" if args.device == "cuda" else "fp32")
-            # Shortest prompts together: less left padding. Sorting within a chunk selects
-            # nothing (a chunk is generated whole, the budget is checked between chunks).
-            part = sorted(jobs[lo:lo + chunk], key=lambda job: _prompt_length(backend, job))
-            summary = run_generation(backend, part, str(out), ExistingOutput(set(), {}), progress=False)
-            written += summary.num_written
-            tokens += summary.num_tokens
-            seconds += summary.seconds
-            log(f"responses ({split}): {written} written, {tokens / max(seconds, 1e-9):,.0f} generated tokens/s")
-        stats[split] = {"responses": written, "generated_tokens": tokens, "seconds": seconds}
-    backend = None  # frees the model before training
-    _free_cuda()
-    return stats
-
-
-def stage_tokenize(meg: Path, data: Path) -> None:
-    """Both response files as indexed datasets (``tools/preprocess_data.py``'s ``preprocess``, with
-    the import's tokenizer), once: every trainer then reads them instead of tokenizing the JSONL."""
-    from bebop_megatron.data.preprocess import preprocess
-
-    for split in ("train", "heldout"):
-        src, stamp = data / f"{split}.jsonl", data / f".{split}.tokenized"
-        key = f"{src.stat().st_size}\n"
-        if stamp.is_file() and stamp.read_text() == key:
-            continue
-        t0 = time.time()
-        preprocess([str(src)], str(data / split), tokenizer_dir=str(meg / "hf"), train_on="response",
-                   on_error="fail", progress=False)
-        stamp.write_text(key)
-        log(f"tokenize ({split}): {time.time() - t0:.1f} s")
-
-
-def _prompt_length(backend, job) -> int:
-    try:
-        return len(backend.prompt_ids(job))
-    except Exception:  # a template that rejects it: the backend reports it when it generates
-        return 0
-
-
-def _free_cuda() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def train_config(meg: Path, data: Path, args, *, loss: str, steps: int, lr: float, init_checkpoint: Path | None,
@@ -240,8 +143,9 @@ def curve_of(trainer, tokens_per_step: int, start: dict | None) -> list[dict]:
     return points
 
 
-def run_one(name: str, cfg, args, out: "Results", *, save_head: Path | None = None, start_point=None) -> dict:
-    """Train one run, evaluate it, record it; returns its record."""
+def run_one(name: str, cfg, args, out: Results, *, save_head: Path | None = None, start_point=None,
+            heads: HeadKeeper | None = None) -> dict:
+    """Train one run, evaluate it, record it (and offer its head to ``heads``); returns its record."""
     import statistics
 
     import torch
@@ -277,77 +181,17 @@ def run_one(name: str, cfg, args, out: "Results", *, save_head: Path | None = No
 
     record["metrics"] = {tau: point_metrics(r, GAMMA) for tau, r in rows.items()}
     out.add(name, record, rows)
+    kept = heads.consider(name, trainer.model, record) if heads is not None else None
     m = record["metrics"]["1"]
     log(f"{name}: {record['tokens']:,} tokens in {train_s:.0f} s ({record['tokens_per_s']:,.0f} tokens/s), "
         f"held-out T=1 alpha_RS step 1 {m['alpha_rs_step1']:.3f}, E[L](3) RS {m['accept_len_rs_g3']:.3f}; "
-        f"eval {eval_s:.0f} s, build {build_s:.0f} s")
+        f"eval {eval_s:.0f} s, build {build_s:.0f} s" + (f"; head written to {kept}" if kept else ""))
     del trainer
-    _free_cuda()
+    free_cuda()
     return record
 
 
-class Results:
-    """Everything a run produces, rewritten to ``--out`` after every run (a killed study keeps
-    what finished): ``summary.json``, ``positions_<condition>.npz`` (float16 rows)."""
-
-    def __init__(self, out: Path, meta: dict):
-        self.out, self.meta = out, meta
-        self.runs: dict[str, dict] = {}
-        self.rows: dict[str, dict] = {}
-
-    def add(self, name: str, record: dict, rows: dict) -> None:
-        self.runs[name] = record
-        self.rows[name] = rows
-        self.write()
-
-    def write(self) -> None:
-        import numpy as np
-
-        self.out.mkdir(parents=True, exist_ok=True)
-        tmp = self.out / "summary.json.tmp"
-        tmp.write_text(json.dumps({**self.meta, "runs": self.runs}, indent=1) + "\n")
-        os.replace(tmp, self.out / "summary.json")
-        for condition in ("fresh", "finetune"):
-            arrays = {}
-            for name, per_t in self.rows.items():
-                if not name.startswith(condition + "_"):
-                    continue
-                for tau, rows in per_t.items():
-                    for k, v in rows.items():
-                        dtype = np.bool_ if k == "chain" else np.float16
-                        arrays[f"{name}|{tau}|{k}"] = v.astype(dtype)
-            if arrays:
-                with open(self.out / f"positions_{condition}.npz.tmp", "wb") as f:
-                    np.savez_compressed(f, **arrays)
-                os.replace(self.out / f"positions_{condition}.npz.tmp", self.out / f"positions_{condition}.npz")
-
-
 # ----------------------------------------------------------------------------- the study
-
-
-def plan_steps(*, left_s: float, num_runs: int, step_s: float, fixed_s: float, tokens_per_step: int,
-               target_tokens: int, min_steps: int) -> int:
-    """Steps per run so that ``num_runs`` runs fit ``left_s`` (each: ``fixed_s`` plus its steps),
-    at most the steps of ``target_tokens``; at least ``min_steps``, or a :class:`StudyError`."""
-    fits = int((left_s - num_runs * fixed_s) / (num_runs * step_s)) if step_s > 0 else 0
-    steps = min(fits, math.ceil(target_tokens / tokens_per_step))
-    if steps < min_steps:
-        raise StudyError(f"only {fits} steps per run fit the time left ({left_s:.0f} s for {num_runs} runs of "
-                         f"{step_s:.2f} s per step + {fixed_s:.0f} s each): raise --budget-s or run fewer objectives")
-    return steps
-
-
-def fit_objectives(objectives: list[str], **plan) -> tuple[int, list[str], list[str]]:
-    """``(steps, kept, dropped)``: the objectives that fit in both conditions at ``plan_steps``'
-    terms, dropping the last ones first (``ce``, the reference, stays with at least one other)."""
-    kept = list(objectives)
-    while True:
-        try:
-            return plan_steps(num_runs=2 * len(kept), **plan), kept, objectives[len(kept):]
-        except StudyError:
-            if len(kept) <= 2:
-                raise
-            kept.pop()
 
 
 def study(args) -> None:
@@ -403,7 +247,7 @@ def study(args) -> None:
     history = trainer.train()
     step_s = sorted(tokens_per_step / m.tokens_per_s for m in history[1:] or history)[len(history[1:] or history) // 2]
     del trainer
-    _free_cuda()
+    free_cuda()
     from results import point_metrics
 
     m0 = point_metrics(rows0["1"], GAMMA)
@@ -433,6 +277,7 @@ def study(args) -> None:
     head = work / "ce_head"
     shutil.rmtree(head, ignore_errors=True)
     ce_end = None
+    heads = HeadKeeper(out)
     for name in names:
         condition, loss = name.split("_", 1)
         expected = fixed_s + steps * step_s
@@ -448,7 +293,7 @@ def study(args) -> None:
         if not fresh and not (head / STATUS_FILE).is_file():
             raise StudyError("the fresh ce head was not saved: the fine-tuned condition cannot start")
         record = run_one(name, cfg, args, results, save_head=head if name == "fresh_ce" else None,
-                         start_point=start_point if fresh else ce_end)
+                         start_point=start_point if fresh else ce_end, heads=heads)
         if name == "fresh_ce":
             ce_end = {**record["curve"][-1], "tokens": 0, "step": 0}
     log(f"study done in {time.time() - t_start:.0f} s; results in {out}")
