@@ -276,7 +276,7 @@ def test_example_embedded_default_is_a_valid_two_rank_config():
     cfg = load_config(None, defaults=embedded)
     assert cfg.device == "cpu" and cfg.parallel.tensor == 2
     assert parallel_sizes(cfg, world_size=2)["data"] == 1
-    # README: `parallel.tensor=1` is a valid single-process run.
+    # docs/configuration.md: `parallel.tensor=1` is a valid single-process run.
     single = load_config(None, ["parallel.tensor=1"], defaults=embedded)
     assert parallel_sizes(single, world_size=1)["data"] == 1
 

@@ -201,11 +201,12 @@ def test_a_refused_resume_is_one_line_before_anything_is_built(ckpt):
     assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000001", "iter_0000002", "latest"]  # lock released
 
 
-def _readme_resume_fields() -> tuple[set, set]:
-    """Backticked names of README's "Changed config on resume" item: (named, excepted)."""
+def _docs_resume_fields() -> tuple[set, set]:
+    """Backticked names of the "Changed config on resume" item in docs/production.md (moved there
+    from the README): (named, excepted)."""
     import re
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "production.md").read_text()
     item = text[text.index("- **Changed config on resume**"):]
     item = item[:item.index("\n- **", 1)]
     refused_part = item[:item.index("Everything else may change")]
@@ -213,8 +214,8 @@ def _readme_resume_fields() -> tuple[set, set]:
     return set(re.findall(r"`([^`]+)`", refused_part)) - excepted, excepted
 
 
-def test_readme_names_every_field_a_resume_refuses():
-    """Every config field whose change ``compare_configs`` can refuse is named in the README
+def test_docs_name_every_field_a_resume_refuses():
+    """Every config field whose change ``compare_configs`` can refuse is named in docs/production.md
     (``model.*`` / ``mtp.*`` cover their sections), and the exceptions it names are the code's."""
     from omegaconf import OmegaConf
 
@@ -224,8 +225,8 @@ def test_readme_names_every_field_a_resume_refuses():
     cfg = load_config(overrides=["model.backbone_init=random"])  # train.seed counts with a random backbone
     fields = resume._flatten(OmegaConf.to_container(OmegaConf.structured(Config())))
     refused = {key for key in fields if resume._refused(key, object(), object(), cfg)}
-    named, excepted = _readme_resume_fields()
+    named, excepted = _docs_resume_fields()
     missing = {key for key in refused if key not in named and f"{key.split('.')[0]}.*" not in named}
-    assert not missing, f"README's resume item does not name {sorted(missing)}"
+    assert not missing, f"docs/production.md's resume item does not name {sorted(missing)}"
     assert excepted == set(resume.ALLOWED_MODEL_KEYS)
     assert not any(resume._refused(key, object(), object(), cfg) for key in excepted)

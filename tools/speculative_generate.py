@@ -25,8 +25,8 @@ load changes hit both alike) and reports the wall-time speed-up.
 The JSON holds, per draft position, the measured acceptance rate and count; the mean accepted
 length per verification (measured_accept_len, ci95: 95% CLT interval over verifications);
 tokens per target forward; the wall time of target and draft; and predicted_accept_len,
-Eq. 12 from the same model's teacher-forced alphas on the generated text (README section
-"Measured against predicted acceptance" says when the two differ).
+Eq. 12 from the same model's teacher-forced alphas on the generated text (docs/acceptance.md,
+"What the two numbers mean", says when the two differ).
 """
 
 from __future__ import annotations
