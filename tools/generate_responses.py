@@ -10,7 +10,8 @@ r"""On-policy chat data: sample the model's own responses to a prompts file, as 
 
 Prompt lines: {"id": ..., "prompt": "text"} or {"id": ..., "messages": [{"role": "user",
 "content": ...}, ...]}; "id" is optional (default: a hash of the messages) and other fields
-(e.g. "source") are copied to the output. Each output line is one sample,
+(e.g. "source") are copied to the output; a data line's answer (a "response" field, a last
+message from the assistant) is refused: the output could not train. Each output line is one sample,
 {"id", "sample", "messages": [...prompt, {"role": "assistant", "content"}], "finish_reason",
 "num_tokens", ...}, which trains as is: data.train_files=[onpolicy.jsonl] with the same
 model's tokenizer as data.tokenizer.
