@@ -3,8 +3,8 @@
 - endpoint backend against a loopback OpenAI-compatible server (``FakeServer``): normal
   answers, retried timeouts / 5xx / 429, a permanent 500, malformed JSON and a 400 (one
   ``error:`` line each, the others written, exit status 1), concurrency, resume from a
-  partial file with a truncated last line (only the missing samples are requested),
-  duplicate prompts and ``--dedupe-responses``;
+  partial file with a truncated last line (only the missing samples are requested), a
+  resume with other sampling settings (refused), duplicate prompts and ``--dedupe-responses``;
 - CLI errors: one ``error:`` line and exit status 2.
 
 The tool runs in-process (tests/helpers/generate_tool.py) to keep the file fast; one test
@@ -29,7 +29,7 @@ from bebop_megatron.data.generate import (Completion, ExistingOutput, plan_jobs,
 from bebop_megatron.data.jsonl import read_jsonl
 from bebop_megatron.data.tokenizer import ByteTokenizer
 from tests.helpers.data import write_jsonl
-from tests.helpers.generate_tool import TOOL_PATH, error_lines, read_out, run_tool
+from tests.helpers.generate_tool import TOOL_PATH, error_lines, interrupted_copy, read_out, run_tool
 from tests.helpers.launch import REPO
 
 
@@ -207,8 +207,7 @@ def test_endpoint_resume(tmp_path, capsys, server):
     full, partial = tmp_path / "full.jsonl", tmp_path / "partial.jsonl"
     args = ["--prompts", prompts, "--endpoint", server.url, "--n", 3, "--concurrency", 2, *FAST]
     assert run_tool(capsys, *args, "--out", full)[0] == 0
-    lines = full.read_bytes().splitlines(keepends=True)
-    partial.write_bytes(b"".join(lines[:5]) + lines[5][:20])  # an interrupted write
+    lines = interrupted_copy(full, partial, 5, 20)
     server.requests.clear()
     status, _, stderr = run_tool(capsys, *args, "--out", partial)
     assert status == 0
@@ -217,6 +216,44 @@ def test_endpoint_resume(tmp_path, capsys, server):
     assert sorted(server.requests) == sorted((f"question {json.loads(key)[1:]}", sample_seed(0, key, j) & 0x7FFFFFFF)
                                              for key, j in missing)
     assert read_out(partial) == read_out(full)  # same seeds: the same answers
+
+
+def test_resume_with_other_sampling_settings_is_refused(tmp_path, capsys, server):
+    """The samples on file were counted as done whatever settings made them: they are recorded
+    in <out>.settings.json and a resume with others is refused, naming them."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi"}])
+    out = tmp_path / "out.jsonl"
+    args = ["--prompts", prompts, "--out", out, "--endpoint", server.url, "--n", 2, *FAST]
+    assert run_tool(capsys, *args, "--temperature", 0.7, "--max-new-tokens", 50)[0] == 0
+    record = json.loads((tmp_path / "out.jsonl.settings.json").read_text())
+    assert record == {"model": "endpoint tiny-served", "max_new_tokens": 50, "temperature": 0.7, "top_p": 1.0,
+                      "seed": 0}
+    before, num_requests = out.read_bytes(), len(server.requests)
+    for other, message in [
+        (["--temperature", 1.0, "--max-new-tokens", 20, "--n", 3],
+         "--max-new-tokens 50 there, 20 here; --temperature 0.7 there, 1.0 here;"),
+        (["--temperature", 0.7, "--max-new-tokens", 50, "--model", "other"],
+         'model "endpoint tiny-served" there, "endpoint other" here;'),
+    ]:
+        status, _, stderr = run_tool(capsys, *args, *other)
+        assert status == 2 and len(error_lines(stderr)) == 1, stderr
+        assert error_lines(stderr)[0] == (f"error: {out}: its 2 samples were made with other settings "
+                                          f"({out}.settings.json): {message} resume with the same settings or pass "
+                                          "another --out")
+    assert out.read_bytes() == before and len(server.requests) == num_requests
+    assert run_tool(capsys, *args, "--temperature", 0.7, "--max-new-tokens", 50, "--n", 3)[0] == 0  # the same: resumed
+    assert len(read_out(out)) == 3
+
+    # Samples without a record (an older version's output) are refused; an empty output takes new settings.
+    (tmp_path / "out.jsonl.settings.json").rename(tmp_path / "kept.json")
+    status, _, stderr = run_tool(capsys, *args)
+    assert status == 2 and error_lines(stderr) == [
+        f"error: {out}: holds 3 samples but no {out}.settings.json recording their sampling settings (made by an "
+        "older version?); pass another --out"]
+    out.write_bytes(b"")
+    (tmp_path / "kept.json").rename(tmp_path / "out.jsonl.settings.json")
+    assert run_tool(capsys, *args)[0] == 0
+    assert json.loads((tmp_path / "out.jsonl.settings.json").read_text())["temperature"] == 1.0
 
 
 def test_duplicate_prompts_and_responses(tmp_path, capsys, server):

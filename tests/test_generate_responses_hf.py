@@ -9,6 +9,7 @@ and the CLI errors: tests/test_generate_responses.py.)
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from bebop_megatron.data.generate import sample_seed
 from bebop_megatron.data.jsonl import read_jsonl
 from bebop_megatron.data.tokenizer import HFTokenizer
 from tests.helpers.data import CHAT_TEMPLATE, ROLE_TOKENS, WORDS, write_jsonl
-from tests.helpers.generate_tool import read_out, run_tool
+from tests.helpers.generate_tool import interrupted_copy, read_out, run_tool
 
 
 def make_byte_bpe_tokenizer(path: Path) -> None:
@@ -109,6 +110,8 @@ def test_hf_samples_match_plain_loop_across_batch_sizes_and_resume(tmp_path, cap
         assert run_tool(capsys, *common, "--batch-size", batch_size, "--out", runs[batch_size])[0] == 0
     records = read_out(runs[4])
     assert records == read_out(runs[1])
+    assert json.loads(runs[4].with_name("b4.jsonl.settings.json").read_text())["model"] == \
+        f"hf-dir {os.path.realpath(hf_model)}"
     assert {r["finish_reason"] for r in records.values()} == {"stop", "length"}  # both kinds covered
 
     model = AutoModelForCausalLM.from_pretrained(hf_model).eval()
@@ -128,9 +131,8 @@ def test_hf_samples_match_plain_loop_across_batch_sizes_and_resume(tmp_path, cap
     assert records[('"mid"', 0)]["source"] == "math"
 
     # Resume with another batch size: only the missing samples, the same texts.
-    lines = runs[4].read_bytes().splitlines(keepends=True)
     resumed = tmp_path / "resumed.jsonl"
-    resumed.write_bytes(b"".join(lines[:4]) + lines[4][:10])
+    interrupted_copy(runs[4], resumed, 4, 10)
     status, _, stderr = run_tool(capsys, *common, "--batch-size", 2, "--out", resumed)
     assert status == 0 and "5 to generate, 4 already in" in stderr
     assert read_out(resumed) == records

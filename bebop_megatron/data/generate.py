@@ -235,6 +235,44 @@ def load_existing(path: str, track_responses: bool = False) -> ExistingOutput:
     return state
 
 
+def settings_path(out_path: str) -> str:
+    """The sidecar recording the sampling settings of ``out_path``'s samples (the output
+    itself stays a plain JSONL that the trainer reads)."""
+    return out_path + ".settings.json"
+
+
+def check_settings(out_path: str, settings: dict, num_existing: int) -> None:
+    """Refuse to resume ``out_path`` (``num_existing`` samples on file) with other sampling
+    ``settings`` than its samples were made with, or with unknown ones: one ``DataError``
+    line naming every differing setting."""
+    if not num_existing:
+        return  # nothing to mix with: the settings are (re)written
+    path = settings_path(out_path)
+    if not os.path.isfile(path):
+        raise DataError(f"{out_path}: holds {num_existing} samples but no {path} recording their sampling settings "
+                        "(made by an older version?); pass another --out")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: cannot read the settings record ({' '.join(str(err).split())}); "
+                        "pass another --out") from None
+    saved = saved if isinstance(saved, dict) else {}
+    differ = [f"{name if name == 'model' else '--' + name.replace('_', '-')} {json.dumps(saved.get(name))} there, "
+              f"{json.dumps(value)} here" for name, value in settings.items() if saved.get(name) != value]
+    if differ:
+        raise DataError(f"{out_path}: its {num_existing} samples were made with other settings ({path}): "
+                        f"{'; '.join(differ)}; resume with the same settings or pass another --out")
+
+
+def write_settings(out_path: str, settings: dict) -> None:
+    path = settings_path(out_path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(json.dumps(settings, indent=1) + "\n")
+    os.replace(path + ".tmp", path)
+
+
 def plan_jobs(prompts: Iterable[Prompt], n: int, seed: int, done: set) -> list[Job]:
     """The (prompt, sample) pairs still missing, prompt by prompt."""
     return [Job(p, j, sample_seed(seed, p.key, j)) for p in prompts for j in range(n) if (p.key, j) not in done]

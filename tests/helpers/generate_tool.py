@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -41,3 +42,12 @@ def read_out(path: Path) -> dict:
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
+
+
+def interrupted_copy(full: Path, partial: Path, num_lines: int, cut: int) -> list[bytes]:
+    """``partial`` as an interrupted run writing ``full`` leaves it: its first ``num_lines``
+    lines, ``cut`` bytes of the next one, the same settings record. Returns ``full``'s lines."""
+    lines = full.read_bytes().splitlines(keepends=True)
+    partial.write_bytes(b"".join(lines[:num_lines]) + lines[num_lines][:cut])
+    shutil.copy(f"{full}.settings.json", f"{partial}.settings.json")
+    return lines
