@@ -5,7 +5,8 @@
 
 writes data/train.bin/.idx (tokens), data/train_lossmask.bin/.idx (trained flags) and
 data/train_meta.json; train on it with ``data.train_files=[data/train]`` (and the same
-``data.tokenizer``). A dataset already at the prefix is replaced only with --overwrite.
+``data.tokenizer``). A dataset already at the prefix is replaced only with --overwrite (a
+run that trained on it then refuses to resume: checkpoints record the data's fingerprint).
 The logic lives in :mod:`bebop_megatron.data.preprocess`.
 """
 
