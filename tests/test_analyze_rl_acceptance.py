@@ -1,6 +1,7 @@
 """``tools/analyze_rl_acceptance.py`` on synthetic RL series with a known entropy slope and
 a known injected mismatch (recovered within 5%), in wandb's CSV export format and as JSONL,
-and its one-line errors for a missing column, too few steps and NaNs."""
+and its one-line errors for a missing column, too few steps, NaNs, acceptance outside [0, 1]
+([0, gamma] for an accepted length) and a negative entropy."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TOOL = REPO / "tools" / "analyze_rl_acceptance.py"
@@ -122,3 +124,48 @@ def test_errors(tmp_path):
 
     msg = one_line_error(run_cli("--input", str(tmp_path / "missing.csv"), "--entropy-col", "x", "--accept-col", "y"))
     assert "missing.csv: file not found" in msg
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def series_rows(overrides):
+    """Ten valid steps; ``overrides`` maps (column, row index) -> value."""
+    rows = [{"step": i, "H": 1.0 + 0.1 * i, "a1": 0.7, "a2": 0.6, "len": 1.5} for i in range(10)]
+    for (column, index), value in overrides.items():
+        rows[index][column] = value
+    return rows
+
+
+def analyze_error(path, *flags) -> str:
+    with pytest.raises(ValueError) as excinfo:
+        load_tool().main(["--input", path, "--step-col", "step", "--entropy-col", "H", *flags,
+                          "--out-dir", os.path.dirname(path)])
+    assert "\n" not in str(excinfo.value)
+    return str(excinfo.value)
+
+
+def test_acceptance_outside_its_range_and_negative_entropy_are_refused(tmp_path):
+    # Acceptance values 3..22 and entropy -5..14 were fitted and given a verdict.
+    path = write_jsonl(tmp_path / "rate.jsonl", series_rows({("a1", 4): 3.0, ("a1", 6): 22.0}))
+    msg = analyze_error(path, "--accept-col", "a1")
+    assert msg == (f"{path}: column 'a1' has 3 at data row 5: outside [0, 1] for an acceptance rate; "
+                   "pass --gamma N for an accepted length in [0, N]")
+    path = write_jsonl(tmp_path / "alpha.jsonl", series_rows({("a2", 2): -0.1}))
+    assert analyze_error(path, "--alpha-cols", "a1", "a2").endswith(
+        "column 'a2' has -0.1 at data row 3: outside [0, 1] for an acceptance rate")
+    path = write_jsonl(tmp_path / "entropy.jsonl", series_rows({("H", 7): -5.0}))
+    assert analyze_error(path, "--accept-col", "a1").endswith(
+        "column 'H' has -5 at data row 8: an entropy must be >= 0")
+    path = write_jsonl(tmp_path / "length.jsonl", series_rows({("len", 1): 3.5}))
+    assert analyze_error(path, "--accept-col", "len", "--gamma", "3").endswith(
+        "column 'len' has 3.5 at data row 2: outside [0, 3] for an accepted length out of --gamma 3")
+
+
+def test_an_accepted_length_within_gamma_is_read():
+    tool = load_tool()
+    args = tool.parse_args(["--input", "x", "--entropy-col", "H", "--accept-col", "len", "--gamma", "3"])
+    table = {"step": np.arange(3.0), "entropy": np.array([0.0, 1.0, np.nan]), "len": np.array([0.0, 3.0, 2.9])}
+    tool.check_ranges(table, {"step": "step", "entropy": "H", "len": "len"}, args)  # NaN: left to --drop-missing

@@ -132,3 +132,22 @@ def test_bad_line_after_good_ones_leaves_no_output_and_skip_records_counts(tmp_p
     assert meta["num_documents"] == 4 and meta["inputs"][0]["skipped"] == {"wrong type": 1}
     assert sorted(p.name for p in tmp_path.glob("out*")) == [
         "out.bin", "out.idx", "out_lossmask.bin", "out_lossmask.idx", "out_meta.json"]
+
+
+def test_an_existing_dataset_is_replaced_only_with_overwrite(tmp_path):
+    """Rewriting a prefix used to be silent: a run resuming on it went on with other data."""
+    first = write_jsonl(tmp_path / "first.jsonl", [{"text": "one"}] * 3)
+    second = write_jsonl(tmp_path / "second.jsonl", [{"text": "two"}] * 5)
+    prefix = tmp_path / "data" / "train"
+    _tool().main(["--input", str(first), "--output-prefix", str(prefix), "--no-progress"])
+    before = {p.name: p.read_bytes() for p in (tmp_path / "data").iterdir()}
+    with pytest.raises(DataError) as err:
+        _tool().main(["--input", str(second), "--output-prefix", str(prefix), "--no-progress"])
+    assert str(err.value) == (f"--output-prefix {prefix}: {prefix}.bin already exists (a dataset written earlier); "
+                              "pass --overwrite to replace it, or choose another prefix")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "data").iterdir()} == before
+    (tmp_path / "data" / "train.bin").unlink()  # any file of the dataset counts
+    with pytest.raises(DataError, match=rf"^--output-prefix {prefix}: {prefix}.idx already exists"):
+        _tool().main(["--input", str(second), "--output-prefix", str(prefix), "--no-progress"])
+    _tool().main(["--input", str(second), "--output-prefix", str(prefix), "--overwrite", "--no-progress"])
+    assert json.loads((tmp_path / "data" / "train_meta.json").read_text())["num_documents"] == 5

@@ -16,7 +16,9 @@ Input: CSV (wandb's "Download CSV" works: a ``Step`` column, metric columns name
 ``RUN - METRIC`` and ``RUN - METRIC__MIN``/``__MAX``, which are ignored) or JSONL (one
 object per step). A column flag matches a column name exactly or, in a wandb export, the
 single ``RUN - NAME`` column. With ``--alpha-cols`` (per MTP step acceptance) every column
-is split separately and the first one (step 1) decides the verdict.
+is split separately and the first one (step 1) decides the verdict. Acceptance rates must
+lie in [0, 1] (an accepted length, ``--accept-col`` with ``--gamma N``, in [0, N]) and the
+entropy must not be negative: a value outside is refused, naming the column and the row.
 """
 
 from __future__ import annotations
@@ -41,8 +43,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--step-col", default="Step", help="step column (default: Step, as in wandb exports)")
     parser.add_argument("--entropy-col", required=True, help="policy (target) entropy column")
     what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--accept-col", help="one acceptance column (acceptance rate or accepted length)")
+    what.add_argument("--accept-col", help="one acceptance column: an acceptance rate, or an accepted length with --gamma")
     what.add_argument("--alpha-cols", nargs="+", metavar="COL", help="per MTP step acceptance columns, step 1 first")
+    parser.add_argument("--gamma", type=int, metavar="N",
+                        help="--accept-col is an accepted length: draft tokens accepted per verification out of N, "
+                             "bonus token not counted (values in [0, N]; default: an acceptance rate in [0, 1])")
     parser.add_argument("--fit-fraction", type=float, default=0.2,
                         help="fraction of the steps (from the start) the entropy slope b is fitted on (default 0.2)")
     parser.add_argument("--mismatch-threshold", type=float, default=0.5,
@@ -55,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not 0 < args.fit_fraction < 1:
         parser.error(f"--fit-fraction must be in (0, 1), got {args.fit_fraction}")
+    if args.gamma is not None and (args.gamma < 1 or not args.accept_col):
+        parser.error("--gamma must be >= 1 and goes with --accept-col (an accepted length), "
+                     "not with --alpha-cols (rates)")
     return args
 
 
@@ -122,6 +130,7 @@ def load_series(args) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], li
                    for n in names}
     used = {"step": step_col, "entropy": entropy_col, **accept_cols}
     table = {key: np.array([to_float(r.get(col)) for r in rows]) for key, col in used.items()}
+    check_ranges(table, used, args)
     bad = ~np.isfinite(np.stack(list(table.values()))).all(0)
     notes = []
     if bad.any():
@@ -139,6 +148,24 @@ def load_series(args) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], li
     if len(np.unique(table["step"])) != len(table["step"]):
         raise ValueError(f"{args.input}: column {step_col!r} repeats steps; export one run per file")
     return table["step"], table["entropy"], {n: table[n] for n in names}, notes
+
+
+def check_ranges(table: dict[str, np.ndarray], used: dict[str, str], args) -> None:
+    """Acceptance in [0, 1] ([0, gamma] for an accepted length), entropy >= 0 (missing values are
+    left to the caller); ValueError naming the column and the first bad data row."""
+    top = 1.0 if args.gamma is None else float(args.gamma)
+    what = "an acceptance rate" if args.gamma is None else f"an accepted length out of --gamma {args.gamma}"
+    hint = "; pass --gamma N for an accepted length in [0, N]" if args.gamma is None and args.accept_col else ""
+    for key, values in table.items():
+        if key == "step":
+            continue
+        if key == "entropy":
+            outside, allowed = values < 0, "an entropy must be >= 0"
+        else:
+            outside, allowed = (values < 0) | (values > top), f"outside [0, {top:g}] for {what}{hint}"
+        if outside.any():
+            row = int(np.flatnonzero(outside)[0])
+            raise ValueError(f"{args.input}: column {used[key]!r} has {values[row]:g} at data row {row + 1}: {allowed}")
 
 
 # ------------------------------------------------------------------------- report

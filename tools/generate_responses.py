@@ -10,14 +10,17 @@ r"""On-policy chat data: sample the model's own responses to a prompts file, as 
 
 Prompt lines: {"id": ..., "prompt": "text"} or {"id": ..., "messages": [{"role": "user",
 "content": ...}, ...]}; "id" is optional (default: a hash of the messages) and other fields
-(e.g. "source") are copied to the output. Each output line is one sample,
+(e.g. "source") are copied to the output; a data line's answer (a "response" field, a last
+message from the assistant) is refused: the output could not train. Each output line is one sample,
 {"id", "sample", "messages": [...prompt, {"role": "assistant", "content"}], "finish_reason",
 "num_tokens", ...}, which trains as is: data.train_files=[onpolicy.jsonl] with the same
 model's tokenizer as data.tokenizer.
 
 Run the same command again to resume: samples already in --out are skipped (a truncated
 last line from an interrupted write is cut away), and every sample is appended and flushed
-as soon as it is done, so Ctrl-C (exit status 130) loses nothing finished. Identical prompts
+as soon as it is done, so Ctrl-C (exit status 130) loses nothing finished. The sampling
+settings (the model, --temperature, --top-p, --max-new-tokens, --seed) are recorded in
+<out>.settings.json: a resume with other ones is refused, naming them. Identical prompts
 are generated once; empty responses (and, with --dedupe-responses, repeated ones) are not
 written. A sample that fails (endpoint errors after --retries) prints one `error:` line;
 the others go on, and the exit status is 1 if any failed (rerun to retry them); bad
@@ -108,23 +111,29 @@ def main(argv=None) -> int:
     """Exit status: 0, or 1 when some samples failed; raises ``ValueError`` on user errors."""
     args = parse_args(argv)
     check_args(args)
-    from bebop_megatron.data.generate import load_existing, plan_jobs, read_prompts, run_generation
+    from bebop_megatron.data.generate import (check_settings, load_existing, plan_jobs, read_prompts, run_generation,
+                                              write_settings)
 
     prompt_set = read_prompts(args.prompts, args.limit)
     existing = load_existing(args.out, track_responses=args.dedupe_responses)
     jobs = plan_jobs(prompt_set.prompts, args.n, args.seed, existing.done)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
+    backend = None
+    if args.endpoint is not None:  # the model's name may come from the server (one request)
+        from bebop_megatron.data.generate_endpoint import EndpointBackend
+
+        backend = EndpointBackend(args.endpoint, model=args.model, api_key=args.api_key, concurrency=args.concurrency,
+                                  timeout=args.timeout, retries=args.retries, backoff=args.backoff, **sampling)
+    settings = {"model": f"hf-dir {os.path.realpath(args.hf_dir)}" if backend is None else f"endpoint {backend.model}",
+                **sampling, "seed": args.seed}
+    check_settings(args.out, settings, existing.num_lines)  # samples made otherwise are not "done"
     print(f"{len(prompt_set.prompts)} prompts ({prompt_set.num_duplicates} duplicate prompts dropped) x {args.n} "
           f"samples: {len(jobs)} to generate, {len(prompt_set.prompts) * args.n - len(jobs)} already in {args.out}"
           + (" (a truncated last line was cut away)" if existing.truncated else ""), file=sys.stderr)
     if not jobs:
         return 0
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p)
-    if args.endpoint is not None:
-        from bebop_megatron.data.generate_endpoint import EndpointBackend
-
-        backend = EndpointBackend(args.endpoint, model=args.model, api_key=args.api_key, concurrency=args.concurrency,
-                                  timeout=args.timeout, retries=args.retries, backoff=args.backoff, **sampling)
-    else:
+    write_settings(args.out, settings)
+    if backend is None:
         from bebop_megatron.data.generate_hf import HFBackend
 
         backend = HFBackend(args.hf_dir, batch_size=args.batch_size, device=args.device, dtype=args.dtype,

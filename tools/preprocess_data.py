@@ -1,11 +1,13 @@
 """Tokenize JSONL files into a Megatron indexed dataset, with the loss mask stored alongside.
 
     python tools/preprocess_data.py --input a.jsonl b.jsonl --output-prefix data/train \
-        [--tokenizer HF_TOKENIZER_DIR] [--train-on response|all] [--on-error fail|skip]
+        [--tokenizer HF_TOKENIZER_DIR] [--train-on response|all] [--on-error fail|skip] [--overwrite]
 
 writes data/train.bin/.idx (tokens), data/train_lossmask.bin/.idx (trained flags) and
 data/train_meta.json; train on it with ``data.train_files=[data/train]`` (and the same
-``data.tokenizer``). The logic lives in :mod:`bebop_megatron.data.preprocess`.
+``data.tokenizer``). A dataset already at the prefix is replaced only with --overwrite (a
+run that trained on it then refuses to resume: checkpoints record the data's fingerprint).
+The logic lives in :mod:`bebop_megatron.data.preprocess`.
 """
 
 import argparse
@@ -28,6 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="tokens the stored loss mask marks as trained (default: response)")
     parser.add_argument("--on-error", choices=("fail", "skip"), default="fail",
                         help="bad lines: stop with PATH:LINE (fail, default) or skip and report counts")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a dataset already at --output-prefix (default: refuse)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 
@@ -37,7 +41,7 @@ def main(argv=None) -> None:
     from bebop_megatron.data.preprocess import preprocess
 
     preprocess(args.input, args.output_prefix, tokenizer_dir=args.tokenizer, train_on=args.train_on,
-               on_error=args.on_error, progress=not args.no_progress)
+               on_error=args.on_error, progress=not args.no_progress, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ target verifies them all in one forward, and --mode rs accepts by rejection samp
 (min(1, p/q), resample from norm(max(0, p - q)), a bonus token when all are accepted) or
 --mode to target-only (greedy drafts accepted with p(draft)). Top-p is off. Prompt lines as
 for tools/generate_responses.py ("prompt" or "messages"); the chat template of the run's
-data.tokenizer is applied with the generation prompt.
+data.tokenizer is applied with the generation prompt. A data file works as a prompts file
+(e.g. the held-out data.valid_files): the "response" of a "prompt"/"response" line and the
+trailing assistant message of a "messages" line are dropped alike.
 
 Caches: Megatron's own inference cache cannot verify several tokens in one forward on CPU,
 so the tool runs Megatron's modules with its own per-layer KV caches (backbone and each MTP
@@ -47,7 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="what draft step k hands step k+1: post_norm (after the MTP final norm: SGLang, and "
                              "vLLM since PR #45895) or pre_norm (DeepSeek-V3 / GLM-4.5 drafts in vLLM before it); "
                              "default the checkpoint's trained mtp.next_step_input, post_norm for an export")
-    parser.add_argument("--prompts", required=True, metavar="FILE", help="prompts JSONL")
+    parser.add_argument("--prompts", required=True, metavar="FILE",
+                        help="prompts JSONL, or a data JSONL (its responses / last assistant messages are dropped)")
     parser.add_argument("--gamma", type=int, default=3,
                         help="drafted tokens per verification (default 3); above mtp.num_steps only when one MTP "
                              "layer is repeated (mtp_use_repeated_layer), which is then reused as vLLM does")
@@ -84,7 +87,7 @@ def main(argv=None) -> dict:
     from bebop_megatron.speculative.session import resolve_checkpoint
 
     resolve_checkpoint(args.checkpoint)  # fail fast, before the model import
-    prompt_set = read_prompts(args.prompts, args.limit)
+    prompt_set = read_prompts(args.prompts, args.limit, drop_response=True)
 
     from bebop_megatron.data.tokenizer import tokenizer_from_dir
     from bebop_megatron.speculative.megatron_model import MegatronSpecModel

@@ -285,8 +285,9 @@ class TrainConfig:
     except ``model.transformer_impl`` and ``mtp.init``; ``precision`` except bf16<->fp8;
     ``train.seq_length``; ``data.train_files/tokenizer/train_on/pack/overlong/num_samples/
     markov_branching/markov_min_branching/seed``; ``train.seed`` with a random backbone;
-    ``parallel.distributed_optimizer`` (its optimizer state is saved in another format); see
-    ``bebop_megatron/training/resume.py``). Other changes are listed in one line; a new LR
+    ``parallel.distributed_optimizer`` (its optimizer state is saved in another format); so is
+    a backbone or ``data.train_files`` file changed under the same path (their fingerprints);
+    see ``bebop_megatron/training/resume.py``). Other changes are listed in one line; a new LR
     schedule (``train.lr/min_lr/lr_schedule/warmup_fraction/weight_decay/steps``) applies from
     the resumed step on. ``none``: start at step 0; refused if ``save.dir`` already holds
     checkpoints, unless ``save.overwrite``."""

@@ -85,8 +85,13 @@ def _type_name(value) -> str:
             float: "number", type(None): "null"}.get(type(value), type(value).__name__)
 
 
-def parse_prompt(obj, lineno: int) -> Prompt:
-    """One prompt line (parsed JSON); raises ``ValueError`` with what is wrong (no path)."""
+def parse_prompt(obj, lineno: int, drop_response: bool = False) -> Prompt:
+    """One prompt line (parsed JSON); raises ``ValueError`` with what is wrong (no path).
+
+    A data line's answer (the ``response`` of a ``prompt``/``response`` line, the trailing
+    assistant message of a ``messages`` line) is dropped with ``drop_response`` (a held-out
+    data file used as prompts) and refused without it: there would be nothing to respond to.
+    """
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {_type_name(obj)}")
     if ("prompt" in obj) == ("messages" in obj):
@@ -109,6 +114,10 @@ def parse_prompt(obj, lineno: int) -> Prompt:
             for name in ("role", "content"):
                 if not isinstance(msg.get(name), str):
                     raise ValueError(f"messages[{i}].{name} must be a string, got {_type_name(msg.get(name))}")
+        if messages[-1]["role"] == "assistant" and drop_response:
+            messages = messages[:-1]
+            if not messages:
+                raise ValueError("'messages' holds only an assistant message: there is no prompt")
         if messages[-1]["role"] == "assistant":
             raise ValueError("the last message is an assistant message: there is nothing to respond to")
     if "id" in obj:
@@ -120,7 +129,9 @@ def parse_prompt(obj, lineno: int) -> Prompt:
     for name in RESERVED_FIELDS:
         if name in obj:
             raise ValueError(f"field {name!r} is reserved for the output (is this an output file?)")
-    extra = {k: v for k, v in obj.items() if k not in ("id", "prompt", "messages")}
+    if "response" in obj and not drop_response:
+        raise ValueError("field 'response' is an answer: a prompts line has none (is this a data file?)")
+    extra = {k: v for k, v in obj.items() if k not in ("id", "prompt", "messages", "response")}
     return Prompt(pid, messages, extra, lineno)
 
 
@@ -130,9 +141,10 @@ class PromptSet:
     num_duplicates: int  # lines dropped because an earlier line has the same messages
 
 
-def read_prompts(path: str, limit: Optional[int] = None) -> PromptSet:
+def read_prompts(path: str, limit: Optional[int] = None, drop_response: bool = False) -> PromptSet:
     """The distinct prompts of ``path`` in file order (the first ``limit`` of them when given).
 
+    ``drop_response``: see :func:`parse_prompt`.
     A prompt whose messages equal an earlier one's is dropped (generated once); two lines
     with the same id but different messages are an error. Blank lines are ignored.
     Raises :class:`DataError` ``PATH:LINE: what is wrong``.
@@ -155,7 +167,7 @@ def read_prompts(path: str, limit: Optional[int] = None) -> PromptSet:
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}:{lineno}: malformed JSON: {err.msg} at column {err.colno}") from None
             try:
-                prompt = parse_prompt(obj, lineno)
+                prompt = parse_prompt(obj, lineno, drop_response)
             except ValueError as err:
                 raise DataError(f"{path}:{lineno}: {err}") from None
             content = json.dumps(prompt.messages, sort_keys=True)
@@ -221,6 +233,44 @@ def load_existing(path: str, track_responses: bool = False) -> ExistingOutput:
             state.done.add((key, sample))
             state.num_lines += 1
     return state
+
+
+def settings_path(out_path: str) -> str:
+    """The sidecar recording the sampling settings of ``out_path``'s samples (the output
+    itself stays a plain JSONL that the trainer reads)."""
+    return out_path + ".settings.json"
+
+
+def check_settings(out_path: str, settings: dict, num_existing: int) -> None:
+    """Refuse to resume ``out_path`` (``num_existing`` samples on file) with other sampling
+    ``settings`` than its samples were made with, or with unknown ones: one ``DataError``
+    line naming every differing setting."""
+    if not num_existing:
+        return  # nothing to mix with: the settings are (re)written
+    path = settings_path(out_path)
+    if not os.path.isfile(path):
+        raise DataError(f"{out_path}: holds {num_existing} samples but no {path} recording their sampling settings "
+                        "(made by an older version?); pass another --out")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path}: cannot read the settings record ({' '.join(str(err).split())}); "
+                        "pass another --out") from None
+    saved = saved if isinstance(saved, dict) else {}
+    differ = [f"{name if name == 'model' else '--' + name.replace('_', '-')} {json.dumps(saved.get(name))} there, "
+              f"{json.dumps(value)} here" for name, value in settings.items() if saved.get(name) != value]
+    if differ:
+        raise DataError(f"{out_path}: its {num_existing} samples were made with other settings ({path}): "
+                        f"{'; '.join(differ)}; resume with the same settings or pass another --out")
+
+
+def write_settings(out_path: str, settings: dict) -> None:
+    path = settings_path(out_path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(json.dumps(settings, indent=1) + "\n")
+    os.replace(path + ".tmp", path)
 
 
 def plan_jobs(prompts: Iterable[Prompt], n: int, seed: int, done: set) -> list[Job]:

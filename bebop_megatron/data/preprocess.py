@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from bebop_megatron.data.errors import DataError, log_rank0
-from bebop_megatron.data.indexed import META_SUFFIX, IndexedWriter
+from bebop_megatron.data.indexed import META_SUFFIX, IndexedWriter, dataset_files
 from bebop_megatron.data.jsonl import tokenize_jsonl
 from bebop_megatron.data.tokenizer import describe, signature, tokenizer_from_dir
 
@@ -28,15 +28,21 @@ def preprocess(
     on_error: str = "fail",
     log: Callable[[str], None] = log_rank0,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict:
     """Write ``output_prefix`` (.bin/.idx, _lossmask.bin/.idx, _meta.json); returns the sidecar.
 
     Documents are stored in input order, one sequence each. Raises :class:`DataError` for
-    bad input (``PATH:LINE: ...``) and leaves no partial output behind."""
+    bad input (``PATH:LINE: ...``) and leaves no partial output behind. A dataset already at
+    ``output_prefix`` is replaced only with ``overwrite``."""
     for path in inputs:
         if not os.path.isfile(path):
             raise DataError(f"--input {path}: no such file")
     parent = check_output_prefix(output_prefix)
+    existing = [path for path in dataset_files(output_prefix) if os.path.lexists(path)]
+    if existing and not overwrite:  # silently, a run resuming on this prefix would go on with other data
+        raise DataError(f"--output-prefix {output_prefix}: {existing[0]} already exists (a dataset written "
+                        "earlier); pass --overwrite to replace it, or choose another prefix")
     tokenizer = tokenizer_from_dir(tokenizer_dir)
     writer: list[IndexedWriter] = []  # created at the first document: Megatron's import is slow
 

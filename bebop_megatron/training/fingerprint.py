@@ -1,4 +1,4 @@
-"""Which backbone a training run used: its path and a cheap fingerprint of its files.
+"""Which backbone and training data a run used: paths and cheap fingerprints of their files.
 
 A training checkpoint holds the MTP weights only; the frozen backbone stays where
 ``model.backbone_checkpoint`` (or ``model.init_checkpoint``) names it. :func:`backbone_record`
@@ -18,6 +18,12 @@ Other weights of the same shapes (another model, seed or fine-tune) differ in th
 bytes; a copied or moved directory keeps its fingerprint (the path, save id and timestamps in
 ``.metadata`` are left out). Cost: unpickling ``.metadata`` plus about 200 KiB per shard file
 and 256 KiB of tensor samples: milliseconds, also for a 1 TB checkpoint.
+
+The training data (``data.train_files``) is recorded alike (:func:`data_record`, saved as
+``common["train_data"]``), so that a resume notices a file rewritten under the same name
+(``tools/preprocess_data.py --overwrite``, a regenerated JSONL): :func:`file_fingerprint`
+hashes a file of up to 1 MiB whole and a larger one by its size and 16 blocks of 64 KiB
+spread evenly over it (1 MiB read per file).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import os
 FILE_SAMPLE = 64 << 10
 TENSOR_SAMPLE = 4 << 10
 MAX_TENSOR_SAMPLES = 64
+WHOLE_FILE = 1 << 20
+DATA_SAMPLES = 16
 
 
 def fingerprint(path: str) -> str:
@@ -81,6 +89,37 @@ def backbone_record(backbone_checkpoint: str | None, init_checkpoint: str | None
     except (OSError, ValueError):
         value = None
     return {"path": path, "realpath": os.path.realpath(path), "fingerprint": value}
+
+
+def file_fingerprint(path: str) -> str:
+    """``sha256:<hex>`` of one data file (see the module docstring); raises ``OSError``."""
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(f"{size}\n".encode())
+    with open(path, "rb") as f:
+        if size <= WHOLE_FILE:
+            digest.update(f.read())
+        else:
+            for i in range(DATA_SAMPLES):
+                f.seek((size - FILE_SAMPLE) * i // (DATA_SAMPLES - 1))
+                digest.update(f.read(FILE_SAMPLE))
+    return "sha256:" + digest.hexdigest()
+
+
+def data_record(train_files) -> dict:
+    """``{file: fingerprint}`` for every file ``data.train_files`` reads: a JSONL file, or the
+    five files of an indexed dataset; ``{}`` for the synthetic data. A file that cannot be read
+    gets None (reading the data then fails with its own message)."""
+    from bebop_megatron.config.sources import parse_sources
+    from bebop_megatron.data.indexed import dataset_files
+
+    record = {}
+    for spec in parse_sources(train_files, "data.train_files"):
+        for path in dataset_files(spec.path) if spec.kind == "indexed" else [spec.path]:
+            try:
+                record[path] = file_fingerprint(path)
+            except OSError:
+                record[path] = None
+    return record
 
 
 def short(value: str | None) -> str:

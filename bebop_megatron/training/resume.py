@@ -9,8 +9,9 @@
   no complete checkpoint, the newest complete ``iter_N``, with a notice), checks its files
   (:func:`damage`) and compares its saved ``config.yaml`` with this run's config
   (:func:`compare_configs`): changes that define the model, the backbone or the data are
-  refused, the others are listed in one notice; a backbone whose files changed under the same
-  path (its fingerprint, :mod:`bebop_megatron.training.fingerprint`) is refused too.
+  refused, the others are listed in one notice; a backbone or a training data file whose
+  files changed under the same path (their fingerprints, :mod:`bebop_megatron.training.fingerprint`)
+  is refused too.
 
 A checkpoint is complete when its directory is ``iter_N`` (not ``.tmp``) and holds Megatron's
 ``metadata.json`` and torch's ``.metadata``. :func:`agree_on_start` runs the plan on rank 0 and
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from bebop_megatron.config import Config
 from bebop_megatron.training import lock
 from bebop_megatron.training.checkpoint import CONFIG_FILE, LATEST, list_checkpoints
-from bebop_megatron.training.fingerprint import backbone_record, short
+from bebop_megatron.training.fingerprint import backbone_record, data_record, short
 
 METADATA_FILES = ("metadata.json", ".metadata")
 DATA_KEYS = ("train.seq_length", "data.train_files", "data.tokenizer", "data.train_on", "data.pack", "data.overlong",
@@ -52,6 +53,11 @@ class Plan:
     notices: list[str] = field(default_factory=list)
     error: str | None = None
     backbone: dict | None = None  # training.fingerprint.backbone_record, saved in every checkpoint
+    train_data: dict | None = None  # training.fingerprint.data_record, saved in every checkpoint
+
+    def records(self) -> dict:
+        """What every checkpoint's common state records of the run's inputs."""
+        return {"backbone": self.backbone, "train_data": self.train_data}
 
 
 def is_complete(path: str) -> bool:
@@ -227,6 +233,7 @@ def plan_start(cfg: Config) -> Plan:
     if notice:
         plan.notices.append(notice)
     plan.backbone = backbone_record(cfg.model.backbone_checkpoint, cfg.model.init_checkpoint, cfg.train.seed)
+    plan.train_data = data_record(cfg.data.train_files)
     if cfg.train.resume == "none":
         _overwrite(save_dir, cfg, plan)
         return plan
@@ -243,6 +250,7 @@ def plan_start(cfg: Config) -> Plan:
                 "there is no intact checkpoint before it: move it aside to start over, or use another save.dir")
         raise StartError(f"checkpoint {path} is damaged: {problem}; {hint}")
     _check_same_backbone(path, plan.backbone)
+    _check_same_data(path, plan.train_data)
     saved = saved_config(path)
     if saved is None:
         plan.notices.append(f"{path} holds no saved config: the run's settings cannot be compared")
@@ -278,6 +286,19 @@ def _check_same_backbone(path: str, current: dict) -> None:
             f"(its files changed: fingerprint {short(current['fingerprint'])}, trained on "
             f"{short(saved['fingerprint'])}); restore that backbone, or start a new run in another save.dir"
         )
+
+
+def _check_same_data(path: str, current: dict) -> None:
+    """Refuse a training data file rewritten under the same name since the checkpoint (other
+    names are a config change). Older checkpoints record none."""
+    saved = common_state(path).get("train_data") or {}
+    for file, value in current.items():
+        if saved.get(file) and value and saved[file] != value:
+            raise StartError(
+                f"cannot resume from {path}: the training data file {file} changed since the checkpoint was "
+                f"trained on it (fingerprint {short(value)}, trained on {short(saved[file])}); restore it, or start "
+                "a new run in another save.dir (or train.resume=none save.overwrite=true)"
+            )
 
 
 def agree_on_start(cfg: Config, rank: int) -> Plan:

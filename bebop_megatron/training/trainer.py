@@ -207,7 +207,7 @@ class Trainer:
             "layout": self._layout(),
             "config_yaml": to_yaml(self.cfg),
             "skipped_steps": self.guard.total,
-            "backbone": self.start_plan.backbone,  # checked on resume and by tools/convert_to_hf.py
+            **self.start_plan.records(),  # checked on resume (and the backbone by tools/convert_to_hf.py)
         }
         return ckpt.save_training_checkpoint(
             self.cfg.save.dir, self.step, self.model, self.optimizer, common,

@@ -93,7 +93,7 @@ def stage_tokenize(meg: Path, data: Path) -> None:
             continue
         t0 = time.time()
         preprocess([str(src)], str(data / split), tokenizer_dir=str(meg / "hf"), train_on="response",
-                   on_error="fail", progress=False)
+                   on_error="fail", progress=False, overwrite=True)  # the responses changed: tokenized again
         stamp.write_text(key)
         log(f"tokenize ({split}): {time.time() - t0:.1f} s")
 
