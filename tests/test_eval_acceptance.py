@@ -9,23 +9,24 @@
   intact one before it), exit status 2, no traceback;
 - data with no valid MTP position (every response truncated away; or none in the --max-rows
   evaluated): one ``error:`` line, no report.
+
+Every invocation of the tool runs in one process (``tests/helpers/cli_batch.py``: each call
+exactly as the tool's ``__main__`` runs it, its stdout, stderr and exit status kept apart), set
+up once by the ``runs`` fixture: a process per call would import torch and Megatron-Core again.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.launch import REPO, run_script
 
-TOOL = REPO / "tools" / "eval_acceptance.py"
 VALID = REPO / "examples" / "data" / "tiny_valid.jsonl"
 TOP_KEYS = {"checkpoint", "data", "num_rows", "num_positions", "num_steps", "gamma", "layout", "temperatures",
             "reference_temperature", "per_temperature", "speedup", "plots"}
@@ -49,12 +50,49 @@ def checkpoint(tmp_path_factory) -> Path:
     return train_tiny_checkpoint(tmp_path_factory.mktemp("eval_ckpt") / "run")
 
 
-def run_tool(*args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, str(TOOL), *map(str, args)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+LONG_PROMPT = {"prompt": "count the cats in the big red barn and then say how many " * 2, "response": "three."}
+DAMAGE = {"__0_0.distcp": "__0_0.distcp is truncated (", ".metadata": ".metadata is unreadable or truncated ("}
+
+
+def damaged_copy(checkpoint: Path, run: Path, name: str) -> Path:
+    """A copy of the run whose newest checkpoint has ``name`` cut in half, with an older intact one."""
+    shutil.copytree(checkpoint, run)
+    newest = run / (run / "latest").read_text().strip()
+    shutil.copytree(newest, run / "iter_0000001")  # an older, intact checkpoint
+    data = (newest / name).read_bytes()
+    (newest / name).write_bytes(data[: len(data) // 2])
+    return newest
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoint, tmp_path_factory):
+    """``(results, dir)``: every invocation of the tool in this file, run once in one process."""
+    d = tmp_path_factory.mktemp("eval_runs")
+    bad = d / "bad.jsonl"
+    lines = VALID.read_text().splitlines()
+    bad.write_text("\n".join(lines[:2] + ['{"prompt": "x", "response": '] + lines[2:4]) + "\n")
+    (d / "nodata_run").mkdir()
+    (d / "nodata_run" / "metadata.json").write_text("{}")  # enough for the checkpoint check, which comes first
+    (d / "truncated.jsonl").write_text("\n".join(json.dumps(LONG_PROMPT) for _ in range(4)) + "\n")
+    (d / "mixed.jsonl").write_text(json.dumps(LONG_PROMPT) + "\n" + VALID.read_text())
+    for name in DAMAGE:
+        damaged_copy(checkpoint, d / f"damaged{name}", name)
+    calls = {
+        "report": ["--checkpoint", checkpoint, "--data", VALID, "--temperatures", "0.8", "1.0", "--gamma", "2",
+                   "--max-rows", "12", "--sim-positions", "64", "--sim-trials", "8", "--out-dir", d / "report",
+                   "--no-progress", "--positions-out", d / "not_yet" / "positions.pt"],  # its directory is created
+        "missing_checkpoint": ["--checkpoint", d / "no_such_run", "--data", VALID, "--out-dir", d / "r"],
+        "missing_data": ["--checkpoint", d / "nodata_run", "--data", VALID, d / "missing.jsonl", "--out-dir", d / "r"],
+        "malformed": ["--checkpoint", checkpoint, "--data", bad, "--out-dir", d / "r"],
+        **{f"damaged{name}": ["--checkpoint", d / f"damaged{name}", "--data", VALID, "--out-dir", d / "r"]
+           for name in DAMAGE},
+        "truncated": ["--checkpoint", checkpoint, "--data", d / "truncated.jsonl", "--out-dir", d / "r_truncated"],
+        "mixed": ["--checkpoint", checkpoint, "--data", d / "mixed.jsonl", "--max-rows", "1", "--no-speedup",
+                  "--out-dir", d / "r_mixed"],
+    }
+    results = run_batch([{"tool": "eval_acceptance", "argv": [str(a) for a in argv]} for argv in calls.values()],
+                        d / "batch")
+    return dict(zip(calls, results)), d
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -64,12 +102,9 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", head[16:24])
 
 
-def test_report_writes_every_key_and_plot(checkpoint, tmp_path):
-    out = tmp_path / "report"
-    positions = tmp_path / "not_yet" / "positions.pt"  # its directory is created
-    proc = run_tool("--checkpoint", checkpoint, "--data", VALID, "--temperatures", "0.8", "1.0", "--gamma", "2",
-                    "--max-rows", "12", "--sim-positions", "64", "--sim-trials", "8", "--out-dir", out, "--no-progress",
-                    "--positions-out", positions)
+def test_report_writes_every_key_and_plot(runs):
+    results, d = runs
+    proc, out, positions = results["report"], d / "report", d / "not_yet" / "positions.pt"
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert TOP_KEYS <= set(report)
@@ -134,58 +169,44 @@ def error_line(proc) -> str:
     return errors[0]
 
 
-def test_missing_checkpoint_is_one_line(tmp_path):
-    missing = tmp_path / "no_such_run"
-    line = error_line(run_tool("--checkpoint", missing, "--data", VALID, "--out-dir", tmp_path / "r"))
-    assert f"checkpoint not found: {missing}" in line
+def test_missing_checkpoint_is_one_line(runs):
+    results, d = runs
+    line = error_line(results["missing_checkpoint"])
+    assert f"checkpoint not found: {d / 'no_such_run'}" in line
 
 
-def test_missing_data_names_the_flag(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "metadata.json").write_text("{}")  # enough for the checkpoint check, which comes first
-    missing = tmp_path / "missing.jsonl"
-    line = error_line(run_tool("--checkpoint", run, "--data", VALID, missing, "--out-dir", tmp_path / "r"))
+def test_missing_data_names_the_flag(runs):
+    results, d = runs
+    missing = d / "missing.jsonl"
+    line = error_line(results["missing_data"])
     assert line == f"error: --data[1]={str(missing)!r}: no such file (nor {missing}.bin/.idx)"
 
 
-def test_malformed_dataset_line_names_path_and_line(checkpoint, tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    lines = VALID.read_text().splitlines()
-    bad.write_text("\n".join(lines[:2] + ['{"prompt": "x", "response": '] + lines[2:4]) + "\n")
-    line = error_line(run_tool("--checkpoint", checkpoint, "--data", bad, "--out-dir", tmp_path / "r"))
-    assert f"{bad}:3:" in line
+def test_malformed_dataset_line_names_path_and_line(runs):
+    results, d = runs
+    line = error_line(results["malformed"])
+    assert f"{d / 'bad.jsonl'}:3:" in line
 
 
-@pytest.mark.parametrize("name, problem", [
-    ("__0_0.distcp", "__0_0.distcp is truncated ("),
-    (".metadata", ".metadata is unreadable or truncated ("),
-])
-def test_damaged_checkpoint_is_one_line_naming_the_intact_one(checkpoint, tmp_path, name, problem):
-    run = tmp_path / "run"
-    shutil.copytree(checkpoint, run)
+@pytest.mark.parametrize("name, problem", DAMAGE.items())
+def test_damaged_checkpoint_is_one_line_naming_the_intact_one(runs, name, problem):
+    results, d = runs
+    run = d / f"damaged{name}"
     newest = run / (run / "latest").read_text().strip()
-    shutil.copytree(newest, run / "iter_0000001")  # an older, intact checkpoint
-    data = (newest / name).read_bytes()
-    (newest / name).write_bytes(data[: len(data) // 2])
-    line = error_line(run_tool("--checkpoint", run, "--data", VALID, "--out-dir", tmp_path / "r"))
+    line = error_line(results[f"damaged{name}"])
     assert line.startswith(f"error: checkpoint {newest} is damaged: {problem}"), line
     assert line.endswith(f"; the newest intact checkpoint before it is {run / 'iter_0000001'}: pass --checkpoint "
                          f"{run / 'iter_0000001'}"), line
 
 
-def test_data_without_a_valid_position_is_refused(checkpoint, tmp_path):
+def test_data_without_a_valid_position_is_refused(runs):
     """Prompts longer than the row (seq_length 64, byte tokens): every response is truncated away, so
     there is no acceptance to measure; refused before the model is loaded, not reported as alpha 0."""
-    long_prompt = {"prompt": "count the cats in the big red barn and then say how many " * 2, "response": "three."}
-    data = tmp_path / "truncated.jsonl"
-    data.write_text("\n".join(json.dumps(long_prompt) for _ in range(4)) + "\n")
-    line = error_line(run_tool("--checkpoint", checkpoint, "--data", data, "--out-dir", tmp_path / "r"))
+    results, d = runs
+    line = error_line(results["truncated"])
     assert line.startswith("error: --data: no position to evaluate the MTP heads on: every trained"), line
-    assert not (tmp_path / "r" / "report.json").exists()
+    assert not (d / "r_truncated" / "report.json").exists()
     # some rows have positions, the ones evaluated (--max-rows 1: the first, a truncated document) do not
-    mixed = tmp_path / "mixed.jsonl"
-    mixed.write_text(json.dumps(long_prompt) + "\n" + VALID.read_text())
-    line = error_line(run_tool("--checkpoint", checkpoint, "--data", mixed, "--max-rows", 1, "--no-speedup",
-                               "--out-dir", tmp_path / "r"))
+    line = error_line(results["mixed"])
     assert "the 1 rows evaluated (--max-rows) hold no position" in line, line
+    assert not (d / "r_mixed" / "report.json").exists()
