@@ -20,9 +20,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -36,6 +33,7 @@ from bebop_megatron.speculative.decoding import (
     speculative_steps,
 )
 from bebop_megatron.speculative.measure import mean_ci, measured
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.launch import REPO, run_script
 from tests.test_speculative import chi_square_pvalue
 
@@ -182,8 +180,17 @@ def test_megatron_model_and_tool(tmp_path):
     # The embedded default fits a synthetic backbone into the user's cache: a random one here.
     run_script(str(REPO / "examples" / "pretrain_mtp.py"), ["parallel.tensor=1", "train.steps=3",
                                                             "model.backbone_init=random", f"save.dir={save}"], nproc=1)
-    proc = run_script("speculative_case.py", [str(save)], nproc=1, timeout=400)
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # In one process: the exactness case (tests/helpers/speculative_case.py), the tool (as its
+    # __main__ runs it) and the tool's one-line error for a missing checkpoint.
+    out = tmp_path / "spec.json"
+    tool = ["--checkpoint", str(save), "--prompts", str(REPO / "examples" / "data" / "tiny_valid.jsonl"),
+            "--limit", "3", "--gamma", "2", "--max-new-tokens", "12", "--baseline", "--json", str(out)]
+    case, proc, bad = run_batch([{"tool": "tests/helpers/speculative_case.py", "argv": [str(save)]},
+                                 {"tool": "speculative_generate", "argv": tool},
+                                 {"tool": "speculative_generate", "argv": [tool[0], str(tmp_path / "missing")] + tool[2:]}],
+                                tmp_path / "batch")
+    assert case.returncode == 0, case.stderr[-3000:]
+    result = json.loads(case.stdout.strip().splitlines()[-1])
     assert result["backbone_max_diff"] < 1e-4 and result["draft_max_diff"] < 1e-4
     assert result["teacher_forced_max_diff"] < 1e-4
     for gamma, run in result["runs"].items():
@@ -198,14 +205,6 @@ def test_megatron_model_and_tool(tmp_path):
             assert run["per_position"][0]["online_alpha"] == pytest.approx(run["predicted_accept_len_at_starts"],
                                                                            abs=1e-5)
 
-    out = tmp_path / "spec.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    tool = [sys.executable, str(REPO / "tools" / "speculative_generate.py"), "--checkpoint", str(save),
-            "--prompts", str(REPO / "examples" / "data" / "tiny_valid.jsonl"), "--limit", "3", "--gamma", "2",
-            "--max-new-tokens", "12", "--baseline", "--json", str(out)]
-    proc = subprocess.run(tool, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     for key in ("measured_accept_len", "ci95", "per_position", "tokens_per_target_forward", "wall_seconds",
@@ -215,8 +214,6 @@ def test_megatron_model_and_tool(tmp_path):
     assert set(report["wall_seconds"]) == {"target", "draft", "prefill"}
     assert 1.0 <= report["tokens_per_target_forward"] <= 3.0
 
-    bad = subprocess.run(tool[:3] + [str(tmp_path / "missing")] + tool[4:], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "checkpoint not found" in bad.stderr
 
 

@@ -7,7 +7,8 @@ takes several. Tests that need many invocations therefore run them here, one aft
 each exactly as the tool's ``__main__`` does (``bebop_megatron.cli.run_cli(main(argv))``),
 with its stdout, stderr and exit status recorded separately.
 
-``calls.json``: ``[{"tool": "convert_to_hf", "argv": [...]}, ...]``; the pseudo-tool
+``calls.json``: ``[{"tool": "convert_to_hf", "argv": [...]}, ...]`` (a ``tool`` ending in ``.py``
+is a script's path in the repository, e.g. a ``tests/helpers`` case with ``main(argv)``); the pseudo-tool
 ``record_mtp`` (argv ``SRC DST KEY=VALUE...``) copies a model checkpoint and sets ``mtp``
 fields of its ``bebop_model.yaml`` (e.g. ``next_step_input=pre_norm``: heads trained that way);
 ``results.json``: ``[{"returncode": int, "stdout": str, "stderr": str}, ...]`` in the same order.
@@ -29,7 +30,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    """``tools/<name>.py``, or a script given by its path in the repository (``tests/helpers/x.py``)."""
+    path = REPO / name if name.endswith(".py") else REPO / "tools" / f"{name}.py"
+    name = Path(name).stem
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -19,8 +19,8 @@ def full_forward(model, spec, toks, K):
     return [c[:, 0].float() @ spec.weight_VH.t() for c in chunks]  # backbone, step 1..K
 
 
-def main(ckpt: str) -> None:
-    model, cfg = load(ckpt)
+def main(argv: list[str]) -> None:
+    model, cfg = load(argv[0])
     spec = MegatronSpecModel(model, cfg.model.vocab_size)
     K = spec.num_steps
     toks = torch.randint(0, cfg.model.vocab_size, (48,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -59,4 +59,4 @@ def main(ckpt: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])
