@@ -29,8 +29,8 @@ EMBEDDED_DEFAULT = {
 }
 
 
-def main() -> None:
-    cfg = parse_config(sys.argv[1:], description=__doc__.split("\n")[0], defaults=EMBEDDED_DEFAULT)
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(sys.argv[1:] if argv is None else argv, description=__doc__.split("\n")[0], defaults=EMBEDDED_DEFAULT)
     from bebop_megatron.training import Trainer  # after the config checks: Megatron imports take seconds
 
     Trainer(cfg).train()

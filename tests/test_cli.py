@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.launch import REPO
 
 CASES = {
@@ -19,22 +17,27 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case and ``--help``, run in one process as the script's ``__main__`` runs it
+    (``tests/helpers/cli_batch.py``): a process per case would import torch and Megatron again."""
+    calls = [{"tool": "examples/pretrain_mtp.py", "argv": args} for args, _ in CASES.values()]
+    calls.append({"tool": "examples/pretrain_mtp.py", "argv": ["--help"]})
+    results = run_batch(calls, tmp_path_factory.mktemp("cli"))
+    return dict(zip([*CASES, "--help"], results))
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_user_error_is_one_line(case):
-    args, expected = CASES[case]
-    proc = subprocess.run(
-        [sys.executable, "examples/pretrain_mtp.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+def test_user_error_is_one_line(runs, case):
+    proc, expected = runs[case], CASES[case][1]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
 
 
-def test_help_lists_overrides():
-    proc = subprocess.run(
-        [sys.executable, "examples/pretrain_mtp.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
+def test_help_lists_overrides(runs):
+    proc = runs["--help"]
     assert proc.returncode == 0 and "key=value" in proc.stdout
 
 
