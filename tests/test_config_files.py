@@ -11,13 +11,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from bebop_megatron.config import ConfigError, load_config
-from tests.helpers.launch import REPO
+from tests.helpers.cli_batch import run_batch
 
 BAD_FILES = {
     "list": (b"- train\n- model\n", "the top level is a list; it must be a mapping of sections"),
@@ -54,13 +51,26 @@ def test_a_directory_as_config_file(tmp_path):
     assert one_line(excinfo) == f"config file {tmp_path} is a directory; give a YAML file (see examples/configs/)"
 
 
-@pytest.mark.parametrize("case", ["list", "duplicate", "binary", "directory"])
-def test_the_cli_prints_one_error_line_and_exits_2(tmp_path, case):
-    path = tmp_path if case == "directory" else tmp_path / f"{case}.yaml"
-    if case != "directory":
-        path.write_bytes(BAD_FILES[case][0])
-    proc = subprocess.run([sys.executable, "examples/pretrain_mtp.py", "--config", str(path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+CLI_CASES = ["list", "duplicate", "binary", "directory"]
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    """``examples/pretrain_mtp.py --config FILE`` for each case, in one process (cli_batch)."""
+    d = tmp_path_factory.mktemp("cli")
+    paths = {}
+    for case in CLI_CASES:
+        paths[case] = d if case == "directory" else d / f"{case}.yaml"
+        if case != "directory":
+            paths[case].write_bytes(BAD_FILES[case][0])
+    results = run_batch([{"tool": "examples/pretrain_mtp.py", "argv": ["--config", str(paths[case])]}
+                         for case in CLI_CASES], tmp_path_factory.mktemp("batch"))
+    return {case: (paths[case], proc) for case, proc in zip(CLI_CASES, results)}
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_the_cli_prints_one_error_line_and_exits_2(cli_runs, case):
+    path, proc = cli_runs[case]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(f"error: config file {path}"), proc.stderr[-2000:]
