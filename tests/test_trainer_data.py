@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 
 from bebop_megatron.config import ConfigError, load_config
 from bebop_megatron.training.trainer import check_packing
 from tests.helpers.data import write_jsonl
-from tests.helpers.launch import REPO, run_script
+from tests.helpers.cli_batch import run_batch
+from tests.helpers.launch import run_script
 
 WORDS = "the cat sat on a mat and then it ran to the big red barn where a cow was eating hay".split()
 SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128", "train.seq_length=96"]
@@ -40,9 +38,41 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
+def cli_args(args) -> list[str]:
+    return ["parallel.tensor=1", "save.dir=null", *args]
+
+
 @pytest.fixture(scope="module")
-def packed_tp1(corpus):
-    return packed_case(corpus[0], 1)
+def runs(corpus, tmp_path_factory):
+    """The single-process cases of this file in one process (``tests/helpers/cli_batch.py``, each
+    as its ``__main__`` runs it): ``packed_case.py`` (dense and Qwen hybrid) and the training
+    runs of ``examples/pretrain_mtp.py``. A process each would import torch and Megatron again."""
+    d = tmp_path_factory.mktemp("runs")
+    train, valid = corpus
+    bad = write_jsonl(d / "bad.jsonl", [*documents(2, 0), '{"prompt": "hi", "response": '])
+    long_prompts = write_jsonl(d / "long_prompts.jsonl", truncated_documents(6))
+    calls = {
+        "packed_tp1": ("tests/helpers/packed_case.py", [f"data.train_files=[{train}]", *SMALL]),
+        "packed_gdn": ("tests/helpers/packed_case.py", [f"data.train_files=[{train}]", *SMALL, *QWEN_HYBRID]),
+        "jsonl_eval": ("examples/pretrain_mtp.py", cli_args([f"data.train_files=[{train}]",
+                                                            f"data.valid_files=[{valid}]", "eval.interval=2",
+                                                            "train.steps=4", "train.lr=3e-3", *SMALL])),
+        "bad_line": ("examples/pretrain_mtp.py", cli_args([f"data.train_files=[{bad}]", *SMALL])),
+        "truncated": ("examples/pretrain_mtp.py", cli_args([f"data.train_files=[{long_prompts}]", *SMALL,
+                                                           "train.seq_length=16", "train.steps=1"])),
+    }
+    results = run_batch([{"tool": tool, "argv": argv} for tool, argv in calls.values()], d / "batch")
+    return dict(zip(calls, results)), {"bad": bad, "long_prompts": long_prompts}
+
+
+def case_result(proc) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def packed_tp1(runs):
+    return case_result(runs[0]["packed_tp1"])
 
 
 def test_packed_rows_equal_documents_alone(packed_tp1):
@@ -72,11 +102,11 @@ QWEN_HYBRID = ["model.layer_types=[linear_attention,full_attention]", "model.att
                "model.linear_num_key_heads=2", "model.linear_num_value_heads=4"]
 
 
-def test_packed_rows_gated_deltanet_equal_documents_alone(corpus):
+def test_packed_rows_gated_deltanet_equal_documents_alone(runs):
     """Qwen3-Next / Qwen3.5 hybrid: the Gated DeltaNet restarts its convolution and recurrent
     state at every packed document (model/hybrid.py), so each document gets the loss it gets
     alone; without the per-document mask (state and attention cross documents) it does not."""
-    r = packed_case(corpus[0], 1, QWEN_HYBRID)
+    r = case_result(runs[0]["packed_gdn"])
     packed, separate, unmasked = r["packed"], r["separate"], r["unmasked"]
     assert r["documents"] >= 4 and packed["count"] == separate["count"]
     assert rel(packed["loss_sum"], separate["loss_sum"]) < 1e-6
@@ -85,16 +115,8 @@ def test_packed_rows_gated_deltanet_equal_documents_alone(corpus):
     assert rel(unmasked["loss_sum"], separate["loss_sum"]) > 100 * max(rel(packed["loss_sum"], separate["loss_sum"]), 1e-7)
 
 
-def run_cli(args, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "examples/pretrain_mtp.py", "parallel.tensor=1", "save.dir=null", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def test_training_on_jsonl_with_periodic_evaluation(corpus):
-    train, valid = corpus
-    proc = run_cli([f"data.train_files=[{train}]", f"data.valid_files=[{valid}]", "eval.interval=2", "train.steps=4",
-                    "train.lr=3e-3", *SMALL])
+def test_training_on_jsonl_with_periodic_evaluation(runs):
+    proc = runs[0]["jsonl_eval"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     evals = [line for line in lines if line.startswith("eval ")]
@@ -104,9 +126,8 @@ def test_training_on_jsonl_with_periodic_evaluation(corpus):
     assert all("alpha_TO [" in line and "E[L] RS [" in line for line in evals)
 
 
-def test_bad_line_stops_before_training_with_path_and_line(tmp_path):
-    bad = write_jsonl(tmp_path / "bad.jsonl", [*documents(2, 0), '{"prompt": "hi", "response": '])
-    proc = run_cli([f"data.train_files=[{bad}]", *SMALL])
+def test_bad_line_stops_before_training_with_path_and_line(runs):
+    proc, bad = runs[0]["bad_line"], runs[1]["bad"]
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and f"{bad}:3:" in errors[0], proc.stderr
@@ -151,9 +172,8 @@ def test_data_with_no_trainable_position_is_refused(tmp_path):
     check_trainable(dataset([*truncated_documents(4), {"prompt": "hi", "response": "cat"}]), "data.train_files")
 
 
-def test_run_on_truncated_responses_stops_before_the_model(tmp_path):
-    path = write_jsonl(tmp_path / "long_prompts.jsonl", truncated_documents(6))
-    proc = run_cli([f"data.train_files=[{path}]", *SMALL, "train.seq_length=16", "train.steps=1"])
+def test_run_on_truncated_responses_stops_before_the_model(runs):
+    proc = runs[0]["truncated"]
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "data.train_files: no position to train the MTP heads on" in errors[0], proc.stderr
