@@ -27,6 +27,7 @@ import pytest
 from tests.helpers.cli_batch import run_batch
 from tests.helpers.launch import REPO, run_script
 
+TOOL = REPO / "tools" / "eval_acceptance.py"  # also run under torchrun by tests/distributed/test_eval_acceptance_tp.py
 VALID = REPO / "examples" / "data" / "tiny_valid.jsonl"
 TOP_KEYS = {"checkpoint", "data", "num_rows", "num_positions", "num_steps", "gamma", "layout", "temperatures",
             "reference_temperature", "per_temperature", "speedup", "plots"}
