@@ -1,4 +1,6 @@
-"""Shared fixtures: ``hf_dir``, a small local Hugging Face tokenizer (tests/helpers/data.py).
+"""Shared fixtures: ``hf_dir``, a small local Hugging Face tokenizer (tests/helpers/data.py);
+the quick tier (``pytest -m quick``): every test outside :data:`SLOW_FILES` and ``tests/distributed``
+and not marked ``slow``, for the inner loop (the whole suite stays the check before a commit).
 
 The suite runs in two pytest-xdist workers (``pytest.ini``: ``-n 2 --dist loadfile``, a file's
 tests in one worker so its module fixtures are built once); each worker's torch uses one thread,
@@ -13,6 +15,36 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 from tests.helpers.data import hf_dir  # noqa: F401
 
 import pytest  # noqa: E402
+
+# Files whose tests launch processes (torchrun, the tools), train or convert models: each takes
+# seconds to minutes. With tests/distributed/ and tests marked ``slow`` they are left out of the
+# quick tier.
+SLOW_FILES = {
+    "test_bench_frozen_step.py", "test_cli.py", "test_convert_deepseek.py", "test_convert_export.py",
+    "test_convert_import.py", "test_convert_overwrite.py", "test_convert_qwen.py", "test_data_fingerprint.py",
+    "test_eval_acceptance.py", "test_export_backbone.py", "test_gpu_real_model.py", "test_gpu_script.py",
+    "test_grad_norm_once.py", "test_kernel_triton.py", "test_lr_logged.py", "test_mtp_chain.py", "test_mtp_init.py",
+    "test_production_guard.py", "test_production_resume.py", "test_production_slurm.py",
+    "test_real_model_prompts.py", "test_speculative_generate.py", "test_synthetic_backbone.py",
+    "test_trainer_data.py", "test_training_signal.py",
+}
+
+# Slow tests in the other files (subprocesses, Monte Carlo, the Triton interpreter), by name.
+SLOW_TESTS = {
+    "test_analyze_rl_acceptance.py::test_errors", "test_data_errors.py::test_preprocess_cli_",
+    "test_data_indexed.py::test_train_on_all_and_mismatches", "test_generate_responses.py::test_cli_subprocess_",
+    "test_losses_cold_start.py::test_nla_kinds_run_on_the_triton_kernel",
+    "test_speculative.py::test_monte_carlo_acceptance_and_output_distribution",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.path
+        name = f"{path.name}::{item.name}"
+        if path.parent.name != "distributed" and path.name not in SLOW_FILES and not item.get_closest_marker("slow") \
+                and not any(name.startswith(prefix) for prefix in SLOW_TESTS):
+            item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="session")
