@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from bebop_megatron.data.synthetic import MarkovDataset
 from bebop_megatron.training import synthetic_backbone
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.launch import REPO
 from tests.helpers.synthetic_fit import TINY_FIT, tiny_config
 
@@ -109,22 +108,19 @@ def test_missing_entry_is_rebuilt(synthetic_cache, tmp_path, monkeypatch):
 
 def test_run_and_report_on_the_fitted_backbone(synthetic_cache, tmp_path):
     cache, path = synthetic_cache
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BEBOP_MEGATRON_CACHE": str(cache)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
-        env.pop(name, None)
-    save = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "examples/pretrain_mtp.py", "parallel.tensor=1", *TINY_FIT, "train.steps=4",
-                           "train.lr=3e-3", f"save.dir={save}"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    save, out = tmp_path / "run", tmp_path / "report"
+    # Training, then the report, in one process as their __main__ runs them (tests/helpers/cli_batch.py).
+    proc, report_proc = run_batch([
+        {"tool": "examples/pretrain_mtp.py", "argv": ["parallel.tensor=1", *TINY_FIT, "train.steps=4", "train.lr=3e-3",
+                                                     f"save.dir={save}"]},
+        {"tool": "eval_acceptance", "argv": ["--checkpoint", str(save), "--data", "synthetic",
+                                             "--synthetic-samples", "24", "--temperatures", "0.7", "1.0",
+                                             "--sim-positions", "0", "--cost-target-ms", "20", "--cost-draft-ms", "3",
+                                             "--cost-overhead-ms", "1", "--out-dir", str(out), "--no-progress"]},
+    ], tmp_path / "batch", env={"BEBOP_MEGATRON_CACHE": str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"backbone: fitted to the synthetic language, cached in {path}" in proc.stdout
-    out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "tools/eval_acceptance.py", "--checkpoint", str(save), "--data", "synthetic",
-                           "--synthetic-samples", "24", "--temperatures", "0.7", "1.0", "--sim-positions", "0",
-                           "--cost-target-ms", "20", "--cost-draft-ms", "3", "--cost-overhead-ms", "1",
-                           "--out-dir", str(out), "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert report_proc.returncode == 0, report_proc.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert report["num_rows"] == 24
     entry = report["per_temperature"]["1"]
@@ -140,5 +136,5 @@ def test_run_and_report_on_the_fitted_backbone(synthetic_cache, tmp_path):
         assert row["speedup_rs"] == pytest.approx(want, rel=1e-12)
         best = max(range(3), key=lambda i: want[i])
         assert row["best_gamma_rs"] == (best + 1 if want[best] > 1 else 0)
-        assert f"T={tau}: speed-up RS by gamma" in proc.stdout
-    assert "recommended gamma" in proc.stdout and (out / "speedup_vs_gamma.png").stat().st_size > 10_000
+        assert f"T={tau}: speed-up RS by gamma" in report_proc.stdout
+    assert "recommended gamma" in report_proc.stdout and (out / "speedup_vs_gamma.png").stat().st_size > 10_000

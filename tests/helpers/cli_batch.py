@@ -72,13 +72,16 @@ def record_mtp(argv: list[str]) -> dict:
     return {"returncode": 0, "stdout": "", "stderr": ""}
 
 
-def run_batch(calls: list[dict], workdir: Path, timeout: int = 600) -> list[subprocess.CompletedProcess]:
-    """Run ``calls`` in one subprocess; one ``CompletedProcess``-like result per call."""
+def run_batch(calls: list[dict], workdir: Path, timeout: int = 600,
+              env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``calls`` in one subprocess (``env``: variables to set in it); one
+    ``CompletedProcess``-like result per call."""
     workdir.mkdir(parents=True, exist_ok=True)
     calls_file, results_file = workdir / "calls.json", workdir / "results.json"
     calls_file.write_text(json.dumps(calls))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
+    extra = env or {}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update({"OMP_NUM_THREADS": "1", **extra})
     proc = subprocess.run([sys.executable, __file__, str(calls_file), str(results_file)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
