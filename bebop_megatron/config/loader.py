@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from bebop_megatron.config.errors import ConfigError
+from bebop_megatron.config.outputs import validate_outputs
 from bebop_megatron.config.schema import Config
 from bebop_megatron.config.sizes import validate_sizes
 from bebop_megatron.config.sources import validate_data
@@ -330,6 +331,7 @@ def _validate_production(cfg: Config) -> None:
     peak = cfg.logging.peak_tflops
     if peak is not None and peak <= 0:
         raise ConfigError(f"logging.peak_tflops={peak} must be > 0 (or null)")
+    validate_outputs(cfg)
 
 
 def _validate_pipeline_layout(cfg: Config) -> None:
