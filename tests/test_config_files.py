@@ -8,7 +8,8 @@
   string field says that YAML read a boolean;
 - ``--config FILE`` without ``save.dir`` gets ``checkpoints/<file stem>``, not the quick-start's;
 - ``logging.metrics_file`` that is a directory, ``logging.tensorboard_dir`` that is a file: one line
-  at validation (issue 26 item 13).
+  at validation (issue 26 item 13);
+- ``data.train_files=PATH`` without brackets is the list ``[PATH]`` (issue 26 item 16).
 """
 
 from __future__ import annotations
@@ -148,3 +149,17 @@ def test_logging_paths_of_the_wrong_kind_are_one_line_at_validation(tmp_path):
         assert one_line(excinfo) == message
     ok = load_config(None, [f"logging.metrics_file={a_file}", f"logging.tensorboard_dir={tmp_path}/new/tb"])
     assert ok.logging.metrics_file == str(a_file)  # an existing file is appended to; a new directory is created
+
+
+def test_a_single_source_may_be_given_without_brackets(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    assert load_config(None, [f"data.train_files={data}"]).data.train_files == [str(data)]
+    assert load_config(None, [f"data.valid_files={{path: {data}, weight: 2}}"]).data.valid_files == \
+        [{"path": str(data), "weight": 2}]
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data:\n  train_files: {data}\n")
+    assert load_config(str(config)).data.train_files == [str(data)]
+    with pytest.raises(ConfigError) as excinfo:  # any other scalar: what to write, not "AnyNode is not a ListConfig"
+        load_config(None, ["data.train_files=3"])
+    assert one_line(excinfo) == "config field 'data.train_files' is a list: write [3]"

@@ -13,7 +13,7 @@ from bebop_megatron.config.errors import ConfigError
 from bebop_megatron.config.outputs import validate_outputs
 from bebop_megatron.config.schema import Config
 from bebop_megatron.config.sizes import validate_sizes
-from bebop_megatron.config.sources import validate_data
+from bebop_megatron.config.sources import single_source_as_list, validate_data
 from bebop_megatron.config.yaml_file import default_save_dir, read_config_file
 
 
@@ -37,6 +37,8 @@ def _friendly(err: OmegaConfBaseException) -> ConfigError:
     if isinstance(err, ConfigKeyError):
         return ConfigError(f"unknown config key '{key}'{_did_you_mean(str(key))}")
     msg = str(err).splitlines()[0]
+    if "is not a ListConfig" in msg:  # a scalar given for a list field
+        return ConfigError(f"config field '{key}' is a list: write [{getattr(err, 'value', '...')}]")
     return ConfigError(f"config field '{key}': {msg}")
 
 
@@ -112,6 +114,7 @@ def load_config(
             layers.append(OmegaConf.from_dotlist(overrides))
         for layer in layers[1:]:
             _check_sections(layer)
+            single_source_as_list(layer)
         merged = OmegaConf.merge(*layers)
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:

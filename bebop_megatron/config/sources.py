@@ -2,7 +2,8 @@
 
 ``data.train_files`` / ``data.valid_files`` entries are a path or ``{path, weight}``. A path
 is a JSONL file, or a Megatron indexed dataset given as ``PREFIX``, ``PREFIX.bin`` or
-``PREFIX.idx`` (``PREFIX.bin`` and ``PREFIX.idx`` must both exist). :func:`parse_sources`
+``PREFIX.idx`` (``PREFIX.bin`` and ``PREFIX.idx`` must both exist); a single entry may be given
+without the list (:func:`single_source_as_list`). :func:`parse_sources`
 turns the entries into :class:`SourceSpec` records; the data package reads them from there,
 so the config check and the loader agree on what each entry is.
 """
@@ -47,6 +48,25 @@ def _kind_and_path(path: str, where: str) -> tuple[str, str]:
     if os.path.isdir(path):
         raise ConfigError(f"{where}={path!r} is a directory; give a JSONL file or an indexed-dataset prefix")
     raise ConfigError(f"{where}={path!r}: no such file (nor {path}.bin/.idx)")
+
+
+SOURCE_FIELDS = ("train_files", "valid_files")
+
+
+def single_source_as_list(layer) -> None:
+    """``data.train_files=PATH`` (or ``{path, weight}``) in a config layer: the list ``[PATH]``
+    (OmegaConf refuses a scalar for a list field with 'AnyNode is not a ListConfig')."""
+    from omegaconf import OmegaConf
+
+    data = layer.get("data") if OmegaConf.is_dict(layer) else None
+    if not OmegaConf.is_dict(data):
+        return
+    for name in SOURCE_FIELDS:
+        value = data.get(name)
+        if isinstance(value, str) and value:
+            data[name] = [value]
+        elif OmegaConf.is_dict(value):
+            data[name] = [OmegaConf.to_container(value)]
 
 
 def parse_sources(entries: Any, field: str) -> list[SourceSpec]:
