@@ -477,6 +477,8 @@ def test_sample_tokens_against_reference():
 
 @pytest.mark.parametrize("line, message", [
     ("{not json", "malformed JSON"),
+    ('{"prompt": "hi",', "malformed JSON: Expecting property name enclosed in double quotes at column 17 (the end of "
+                        "the line)"),  # not the decoder's "line 2 column 1"
     ('["a"]', "expected a JSON object, got array"),
     ('{"id": "x"}', "needs exactly one of 'prompt'"),
     ('{"prompt": "a", "messages": []}', "got both"),
