@@ -104,6 +104,24 @@ def parse_sources(entries: Any, field: str) -> list[SourceSpec]:
     return specs
 
 
+def _is_tokenizer_file(name: str) -> bool:
+    return name.startswith(("tokenizer", "vocab", "spiece", "sentencepiece", "special_tokens_map")) or \
+        name == "merges.txt" or name.endswith((".model", ".tiktoken"))
+
+
+def tokenizer_dir_problem(path: str) -> str | None:
+    """What makes the directory ``path`` no Hugging Face tokenizer (None: it holds tokenizer files;
+    whether they load is for transformers to say)."""
+    if not os.path.isdir(path):
+        return None
+    names = os.listdir(path)
+    if not any(_is_tokenizer_file(n) for n in names):
+        what = "is an empty directory" if not names else "holds no tokenizer files"
+        return (f"{what} (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.* ...): give the directory "
+                "of a Hugging Face tokenizer, e.g. a model's save_pretrained() output")
+    return None
+
+
 def validate_data(cfg) -> None:
     """The ``data`` part of :func:`bebop_megatron.config.validate`."""
     d = cfg.data
@@ -113,6 +131,9 @@ def validate_data(cfg) -> None:
             raise ConfigError(f"data.{name}={value!r} must be one of {', '.join(choices)}")
     if d.tokenizer is not None and not os.path.isdir(d.tokenizer):
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a directory (a local Hugging Face tokenizer)")
+    problem = tokenizer_dir_problem(d.tokenizer) if d.tokenizer is not None else None
+    if problem:
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} {problem}")
     parse_sources(d.train_files, "data.train_files")
     parse_sources(d.valid_files, "data.valid_files")
     if not d.train_files and d.num_samples < 1:
