@@ -47,6 +47,11 @@ def _kind_and_path(path: str, where: str) -> tuple[str, str]:
         return "indexed", path
     if os.path.isdir(path):
         raise ConfigError(f"{where}={path!r} is a directory; give a JSONL file or an indexed-dataset prefix")
+    halves = [os.path.isfile(path + ext) for ext in (".bin", ".idx")]
+    if any(halves):  # one half of an indexed dataset
+        missing, present = (".idx", ".bin") if halves[0] else (".bin", ".idx")
+        raise ConfigError(f"{where}={path!r}: indexed dataset file {path + missing!r} not found "
+                          f"({path + present} is there)")
     raise ConfigError(f"{where}={path!r}: no such file (nor {path}.bin/.idx)")
 
 
