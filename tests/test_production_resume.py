@@ -229,3 +229,16 @@ def test_readme_names_every_field_a_resume_refuses():
     assert not missing, f"README's resume item does not name {sorted(missing)}"
     assert excepted == set(resume.ALLOWED_MODEL_KEYS)
     assert not any(resume._refused(key, object(), object(), cfg) for key in excepted)
+
+
+@pytest.mark.parametrize("resume", ["auto", "none"])
+def test_a_latest_that_is_a_directory_is_refused_up_front(tmp_path, resume):
+    """(issue 26 item 20) It used to read as 'latest is missing', train, then fail on latest.tmp."""
+    (tmp_path / "ckpt" / "latest").mkdir(parents=True)
+    message = refusal(tmp_path / "ckpt", f"train.resume={resume}")
+    if resume == "auto":
+        latest = tmp_path / "ckpt" / "latest"
+        assert message == (f"{latest} is a directory; it must be the file naming the newest checkpoint: move it aside "
+                           f"(e.g. mv {latest} {latest}.old) and run again")
+    else:  # train.resume=none: refused unless save.overwrite=true, which deletes it
+        assert "already holds checkpoints (latest)" in message

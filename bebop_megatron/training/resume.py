@@ -6,7 +6,8 @@
   ``save.overwrite=true`` (which deletes them: the new run's steps would otherwise mix with the
   old run's, ``latest`` would move back and ``save.keep_last`` would delete the new files);
 - ``train.resume=auto``: picks the checkpoint (``latest``; when it is missing, empty or names
-  no complete checkpoint, the newest complete ``iter_N``, with a notice), checks its files
+  no complete checkpoint, the newest complete ``iter_N``, with a notice; a ``latest`` that is a
+  directory is refused), checks its files
   (:func:`damage`) and compares its saved ``config.yaml`` with this run's config
   (:func:`compare_configs`): changes that define the model, the backbone or the data are
   refused, the others are listed in one notice; a backbone whose files changed under the same
@@ -230,6 +231,10 @@ def plan_start(cfg: Config) -> Plan:
     if cfg.train.resume == "none":
         _overwrite(save_dir, cfg, plan)
         return plan
+    marker = os.path.join(save_dir, LATEST)
+    if os.path.isdir(marker):  # it could never be replaced: the first save would fail on latest.tmp
+        raise StartError(f"{marker} is a directory; it must be the file naming the newest checkpoint: move it aside "
+                         "(e.g. mv {0} {0}.old) and run again".format(marker))
     path, notice = find_checkpoint(save_dir)
     if notice:
         plan.notices.append(notice)
