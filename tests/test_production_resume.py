@@ -242,3 +242,17 @@ def test_a_latest_that_is_a_directory_is_refused_up_front(tmp_path, resume):
                            f"(e.g. mv {latest} {latest}.old) and run again")
     else:  # train.resume=none: refused unless save.overwrite=true, which deletes it
         assert "already holds checkpoints (latest)" in message
+
+
+def test_a_training_checkpoint_is_refused_as_the_backbone(trained):
+    """(issue 26 item 14) A real checkpoint of this trainer holds no backbone weights (it failed with
+    a KeyError after the model build); tests/test_checkpoint_kinds.py has the other kinds."""
+    from bebop_megatron.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*TINY, f"model.backbone_checkpoint={trained / 'iter_0000002'}"])
+    assert str(err.value).startswith(f"model.backbone_checkpoint={trained / 'iter_0000002'} is a training checkpoint: "
+                                     "it holds MTP heads and optimizer state, not the backbone's weights (it was "
+                                     "trained on a randomly initialised backbone); pass the backbone"), str(err.value)
+    with pytest.raises(ConfigError, match=r"is a training run's save.dir"):
+        load_config(None, [*TINY, f"model.init_checkpoint={trained}"])

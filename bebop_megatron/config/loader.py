@@ -9,6 +9,7 @@ from typing import Any, Iterable, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from bebop_megatron.config.checkpoints import validate_checkpoints
 from bebop_megatron.config.errors import ConfigError
 from bebop_megatron.config.outputs import validate_outputs
 from bebop_megatron.config.schema import Config
@@ -267,6 +268,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.clip_grad={t.clip_grad} must be >= 0")
     if m.backbone_checkpoint and m.init_checkpoint:
         raise ConfigError("model.backbone_checkpoint and model.init_checkpoint are exclusive")
+    validate_checkpoints(cfg)
     if cfg.precision == "fp8" and m.transformer_impl == "local":
         raise ConfigError("precision=fp8 needs model.transformer_impl=transformer_engine (or auto)")
     if cfg.save.overwrite and t.resume != "none":
