@@ -1,10 +1,11 @@
 """A directory of the wrong kind given as a checkpoint: one line saying what it is and what to pass
-(issue 26 item 14), before any model is built.
+(issue 26 items 14 and 21), before any model is built.
 
 - ``model.backbone_checkpoint`` (or ``model.init_checkpoint``) = a training checkpoint or a
   training run's ``save.dir`` (MTP heads, no backbone weights: it failed with a ``KeyError``);
 - ``model.backbone_checkpoint`` = an import of ``tools/convert_from_hf.py`` with other sizes than
   its ``bebop_model.yaml`` (a 50-line ``CheckpointingException``); with them it loads;
+- ``tools/eval_acceptance.py --checkpoint`` = such an import (it said "is damaged").
 
 The import is real (a tiny Llama, in process); the training checkpoints here are their marker
 files (tests/test_production_resume.py checks a real one).
@@ -12,10 +13,13 @@ files (tests/test_production_resume.py checks a real one).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from bebop_megatron.config import ConfigError, load_config
 from tests.helpers.convert_models import make_hf_model
+from tests.helpers.launch import REPO
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +70,14 @@ def test_a_training_checkpoint_or_save_dir_is_no_backbone(tmp_path):
         f"model.init_checkpoint={run} is a training run's save.dir: it holds MTP heads and optimizer state, not the "
         f"backbone's weights{advice}")
 
+
+def test_eval_acceptance_says_an_import_is_no_training_checkpoint(imported, tmp_path):
+    spec = importlib.util.spec_from_file_location("eval_acceptance", REPO / "tools" / "eval_acceptance.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(ValueError) as err:
+        tool.main(["--checkpoint", str(imported), "--data", "synthetic", "--out-dir", str(tmp_path / "r")])
+    assert str(err.value) == (
+        f"--checkpoint {imported} is a model imported by tools/convert_from_hf.py, not a training checkpoint: train "
+        f"MTP heads on it (model.backbone_checkpoint={imported}, or model.init_checkpoint to start from its MTP "
+        "layers, with the settings of its bebop_model.yaml) and pass that run's save.dir")
