@@ -87,6 +87,21 @@ def find_checkpoint(save_dir: str) -> tuple[str | None, str | None]:
 def damage(path: str) -> str | None:
     """What is wrong with a checkpoint's files (unreadable metadata, a missing or truncated
     shard, an unreadable config or common state), or None. Reads metadata only."""
+    problem = files_problem(path)
+    if problem:
+        return problem
+    if os.path.exists(os.path.join(path, CONFIG_FILE)) and saved_config(path) is None:
+        return f"{CONFIG_FILE} is unreadable"
+    try:
+        common_state(path)
+    except Exception as err:
+        return f"its common state is unreadable ({type(err).__name__})"
+    return None
+
+
+def files_problem(path: str) -> str | None:
+    """The distributed-checkpoint part of :func:`damage` (any such checkpoint, a model
+    checkpoint too): unreadable metadata, a missing or truncated shard; or None."""
     try:
         with open(os.path.join(path, "metadata.json")) as f:
             if not isinstance(json.load(f), dict):
@@ -108,12 +123,6 @@ def damage(path: str) -> str | None:
             return f"{name} is missing"
         if os.path.getsize(file) < size:
             return f"{name} is truncated ({os.path.getsize(file)} of at least {size} bytes)"
-    if os.path.exists(os.path.join(path, CONFIG_FILE)) and saved_config(path) is None:
-        return f"{CONFIG_FILE} is unreadable"
-    try:
-        common_state(path)
-    except Exception as err:
-        return f"its common state is unreadable ({type(err).__name__})"
     return None
 
 
