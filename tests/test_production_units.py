@@ -142,6 +142,7 @@ def test_cluster_example_config_validates(tmp_path, world_size):
     data.write_text('{"prompt": "1+1=", "response": "2"}\n')
     tokenizer = tmp_path / "tokenizer"
     tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")  # a directory that holds tokenizer files (not loaded here)
     # the cluster's paths do not exist here: point the data at local stand-ins
     cfg = load_config(str(CLUSTER), [f"data.train_files=[{data}]", f"data.tokenizer={tokenizer}"])
     sizes = parallel_sizes(cfg, world_size)
