@@ -4,8 +4,9 @@ torchrun's workers are its child processes. When torchrun itself dies without cl
 (``kill -9``, the OOM killer), they are re-parented (to PID 1 or a subreaper) and would go on
 training and saving under nobody's control. :func:`watch_launcher` (called by
 :func:`bebop_megatron.cli.run_cli` under torchrun) polls the parent pid in a daemon thread;
-when it changes, the rank sends itself SIGTERM: the trainer saves a checkpoint at the next
-step and exits as on preemption, any other entry point ends at once. A rank still alive
+when it changes, the rank says so and sends itself SIGTERM: the trainer saves a checkpoint at
+the next step and stops as on preemption, saying that the launcher is gone (:func:`gone`); any
+other entry point ends at once. A rank still alive
 ``grace_s`` later (e.g. blocked in a collective with a rank that is already gone) is ended
 with ``os._exit``. Stdlib only: the entry points call it before the heavy imports.
 
@@ -25,16 +26,24 @@ import time
 
 LAUNCHER_GONE_EXIT_CODE = 1
 GRACE_S = 60.0
+_watched: int | None = None  # the launcher's pid, once watch_launcher runs
 
 
 def watch_launcher(poll_s: float = 0.5, grace_s: float = GRACE_S) -> threading.Thread | None:
     """Start the watchdog thread under torchrun (``TORCHELASTIC_RUN_ID`` set); None elsewhere."""
+    global _watched
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return None
-    thread = threading.Thread(target=_watch, args=(os.getppid(), poll_s, grace_s), name="launcher-watchdog",
+    _watched = os.getppid()
+    thread = threading.Thread(target=_watch, args=(_watched, poll_s, grace_s), name="launcher-watchdog",
                               daemon=True)
     thread.start()
     return thread
+
+
+def gone() -> int | None:
+    """The pid of this rank's launcher when it is gone (the rank is no longer its child), else None."""
+    return _watched if _watched is not None and os.getppid() != _watched else None
 
 
 def _watch(launcher_pid: int, poll_s: float, grace_s: float) -> None:
@@ -42,8 +51,9 @@ def _watch(launcher_pid: int, poll_s: float, grace_s: float) -> None:
         time.sleep(poll_s)
     rank = os.environ.get("RANK", "?")
     try:  # the launcher may have held the other end of stderr
-        print(f"error: [rank {rank}] the launcher (pid {launcher_pid}) is gone: stopping this rank (a checkpoint "
-              f"at the next step if training, forced exit in {grace_s:.0f}s)", file=sys.stderr, flush=True)
+        # What happened, not an "error:" line: the trainer's last line says where it stopped.
+        print(f"[rank {rank}] the launcher (pid {launcher_pid}) is gone: stopping this rank with SIGTERM (a "
+              f"checkpoint at the next step if training, forced exit in {grace_s:.0f}s)", file=sys.stderr, flush=True)
     except OSError:
         pass
     os.kill(os.getpid(), signal.SIGTERM)

@@ -169,3 +169,26 @@ def test_an_accepted_length_within_gamma_is_read():
     args = tool.parse_args(["--input", "x", "--entropy-col", "H", "--accept-col", "len", "--gamma", "3"])
     table = {"step": np.arange(3.0), "entropy": np.array([0.0, 1.0, np.nan]), "len": np.array([0.0, 3.0, 2.9])}
     tool.check_ranges(table, {"step": "step", "entropy": "H", "len": "len"}, args)  # NaN: left to --drop-missing
+
+def test_a_binary_file_and_a_constant_column_are_named(tmp_path):
+    """(issue 26 item 22) A binary input said only "'utf-8' codec can't decode byte ..." (csv's own
+    errors gave a traceback); a constant entropy column was called "x"."""
+    tool = load_tool()
+    binary, huge = tmp_path / "plot.csv", tmp_path / "huge.csv"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    huge.write_text('Step,entropy\n1,"' + "7" * 200_000 + '"\n')  # not an export: csv's own error
+    for path, message in ((binary, f"{binary}: not a UTF-8 text file (byte 1); give a CSV or JSONL export"),
+                          (huge, f"{huge}: not a CSV file (field larger than field limit (131072)); give a CSV or "
+                                 "JSONL export")):
+        with pytest.raises(ValueError) as err:
+            tool.main(["--input", str(path), "--entropy-col", "entropy", "--accept-col", "a"])
+        assert str(err.value) == message
+    t, _, accept, _ = synthetic()
+    flat = tmp_path / "flat.csv"
+    write_wandb_csv(flat, t, np.full(len(t), 1.25), accept)
+    with pytest.raises(ValueError) as err:
+        tool.main(["--input", str(flat), "--entropy-col", "rollout/entropy", "--accept-col", "spec/alpha_1",
+                   "--out-dir", str(tmp_path / "r")])
+    assert str(err.value) == (f"{flat}: --entropy-col 'rollout/entropy' is constant over the fit window (the first "
+                              "0.2 of the steps): the entropy slope is undefined; raise --fit-fraction or check the "
+                              "column")

@@ -6,7 +6,10 @@
 - every size field out of range (``model.kv_channels=0`` ...): one line naming the field;
 - ``train.resume=yes`` is reported as 'yes', not 'True'; an unquoted ``yes`` in a file's
   string field says that YAML read a boolean;
-- ``--config FILE`` without ``save.dir`` gets ``checkpoints/<file stem>``, not the quick-start's.
+- ``--config FILE`` without ``save.dir`` gets ``checkpoints/<file stem>``, not the quick-start's;
+- ``logging.metrics_file`` that is a directory, ``logging.tensorboard_dir`` that is a file: one line
+  at validation (issue 26 item 13);
+- ``data.train_files=PATH`` without brackets is the list ``[PATH]`` (issue 26 item 16).
 """
 
 from __future__ import annotations
@@ -136,3 +139,37 @@ def test_a_config_file_without_save_dir_gets_its_own(tmp_path):
     path.write_text("save:\n  dir: null\n")
     assert load_config(str(path)).save.dir is None  # set in the file, even to null
     assert load_config(None).save.dir == "checkpoints/tiny"  # no file: the schema default
+
+
+def test_logging_paths_of_the_wrong_kind_are_one_line_at_validation(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = {
+        f"logging.metrics_file={tmp_path}":
+            f"logging.metrics_file={tmp_path} is a directory; give a file path (the JSON lines are appended to it)",
+        f"logging.tensorboard_dir={a_file}":
+            f"logging.tensorboard_dir={a_file} is a file; give a directory (it is created if missing)",
+        f"logging.metrics_file={a_file}/sub/metrics.jsonl":
+            f"logging.metrics_file={a_file}/sub/metrics.jsonl: {a_file} is a file, not a directory",
+        f"logging.wandb.dir={a_file}/wandb": f"logging.wandb.dir={a_file}/wandb: {a_file} is a file, not a directory",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as excinfo:
+            load_config(None, [override])
+        assert one_line(excinfo) == message
+    ok = load_config(None, [f"logging.metrics_file={a_file}", f"logging.tensorboard_dir={tmp_path}/new/tb"])
+    assert ok.logging.metrics_file == str(a_file)  # an existing file is appended to; a new directory is created
+
+
+def test_a_single_source_may_be_given_without_brackets(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    assert load_config(None, [f"data.train_files={data}"]).data.train_files == [str(data)]
+    assert load_config(None, [f"data.valid_files={{path: {data}, weight: 2}}"]).data.valid_files == \
+        [{"path": str(data), "weight": 2}]
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data:\n  train_files: {data}\n")
+    assert load_config(str(config)).data.train_files == [str(data)]
+    with pytest.raises(ConfigError) as excinfo:  # any other scalar: what to write, not "AnyNode is not a ListConfig"
+        load_config(None, ["data.train_files=3"])
+    assert one_line(excinfo) == "config field 'data.train_files' is a list: write [3]"

@@ -19,8 +19,11 @@ USER = {"role": "user", "content": "hi"}
 
 # case -> (bad line, reason key counted by on_error=skip, words the message must contain)
 BAD = {
-    "malformed json": ('{"text": "a"', "malformed JSON", "malformed JSON"),
-    "trailing garbage": ('{"text": "a"} x', "malformed JSON", "malformed JSON: Extra data"),
+    # the column in the line (the decoder's "line 2 column 1" counted the line's own newline)
+    "malformed json": ('{"text": "a"', "malformed JSON",
+                       "malformed JSON: Expecting ',' delimiter at column 13 (the end of the line)"),
+    "trailing garbage": ('{"text": "a"} x', "malformed JSON", "malformed JSON: Extra data at column 15"),
+    "missing comma": ('{"text": "a" "b": 1}', "malformed JSON", "malformed JSON: Expecting ',' delimiter at column 14"),
     "not an object": ("[1, 2]", "not a JSON object", "expected a JSON object, got array"),
     "unknown format": ('{"content": "a"}', "unknown format", "no 'messages', 'prompt'/'response' or 'text'"),
     "two formats": ('{"text": "a", "prompt": "b", "response": "c"}', "ambiguous format", "has both"),
@@ -75,7 +78,7 @@ def test_skip_counts_every_reason_and_warns_once(tmp_path):
     assert len(ours) == 1
     text = str(ours[0].message)
     assert f"skipped {len(BAD)} of {stats.num_lines} lines" in text
-    assert "2 malformed JSON (first: line 3)" in text and "1 invalid UTF-8" in text
+    assert "3 malformed JSON (first: line 3)" in text and "1 invalid UTF-8" in text
 
 
 def test_chat_template_failures_are_line_errors(tmp_path, hf_dir):

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
-from bebop_megatron.config import load_config
+from bebop_megatron.config import ConfigError, load_config
 from bebop_megatron.data import DataError, DataWarning, HFTokenizer, build_train_dataset, build_valid_dataset
 from bebop_megatron.data.indexed import IndexedSource
 from bebop_megatron.data.jsonl import read_jsonl
@@ -151,3 +151,28 @@ def test_an_existing_dataset_is_replaced_only_with_overwrite(tmp_path):
         _tool().main(["--input", str(second), "--output-prefix", str(prefix), "--no-progress"])
     _tool().main(["--input", str(second), "--output-prefix", str(prefix), "--overwrite", "--no-progress"])
     assert json.loads((tmp_path / "data" / "train_meta.json").read_text())["num_documents"] == 5
+
+def test_a_missing_or_truncated_file_is_named_before_the_model(tmp_path):
+    """(issue 26 item 19) One half of the pair: the missing file; a truncated .bin or .idx: named
+    when the dataset is opened (it used to fail at the first read, after the model build)."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello world"}, {"prompt": "a", "response": "bcd"}])
+    prefix = tmp_path / "d"
+    _tool().main(["--input", str(path), "--output-prefix", str(prefix), "--no-progress"])
+    overrides = [f"data.train_files=[{prefix}]", "train.seq_length=8"]
+    for ext, other in ((".idx", ".bin"), (".bin", ".idx")):
+        moved = tmp_path / f"moved{ext}"
+        (tmp_path / f"d{ext}").rename(moved)
+        with pytest.raises(ConfigError) as err:
+            load_config(None, overrides)
+        assert str(err.value) == (f"data.train_files[0]={str(prefix)!r}: indexed dataset file {f'{prefix}{ext}'!r} "
+                                  f"not found ({prefix}{other} is there)")
+        moved.rename(tmp_path / f"d{ext}")
+    for ext, message in ((".bin", f"{prefix}.bin is truncated (20 bytes; its .idx needs 38)"),
+                         (".idx", f"{prefix}.idx is truncated or not a Megatron index")):
+        whole = (tmp_path / f"d{ext}").read_bytes()
+        (tmp_path / f"d{ext}").write_bytes(whole[:20] if ext == ".bin" else whole[:-8])
+        with pytest.raises(DataError) as err:
+            _quiet(build_train_dataset, load_config(None, overrides))
+        assert str(err.value) == f"data.train_files[0]: {message}; re-run tools/preprocess_data.py"
+        (tmp_path / f"d{ext}").write_bytes(whole)
+    assert len(_quiet(build_train_dataset, load_config(None, overrides))) == 2

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bebop_megatron.config import load_config
+from bebop_megatron.config import ConfigError, load_config
 from bebop_megatron.data import ByteTokenizer, DataError, HFTokenizer, check_vocab_size, load_tokenizer
 from bebop_megatron.data.jsonl import read_jsonl
 from tests.helpers.data import write_jsonl
@@ -119,6 +119,21 @@ def test_unloadable_tokenizer_dir_is_one_line(tmp_path):
     with pytest.raises(DataError, match="cannot load a Hugging Face tokenizer") as err:
         HFTokenizer(str(tmp_path))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("contents, what", [({}, "is an empty directory"),
+                                             ({"config.json": "{}"}, "holds no tokenizer files")])
+def test_a_directory_without_tokenizer_files_says_so(tmp_path, contents, what):
+    for name, text in contents.items():
+        (tmp_path / name).write_text(text)
+    expected = (f"data.tokenizer={str(tmp_path)!r} {what} (tokenizer.json, tokenizer_config.json, tokenizer.model, "
+                "vocab.* ...): give the directory of a Hugging Face tokenizer, e.g. a model's save_pretrained() output")
+    with pytest.raises(ConfigError) as err:  # at validation, not transformers' advice to install sentencepiece
+        load_config(None, [f"data.tokenizer={tmp_path}"])
+    assert str(err.value) == expected
+    with pytest.raises(DataError) as err:  # the tools that load a tokenizer directly
+        HFTokenizer(str(tmp_path))
+    assert str(err.value) == expected
 
 
 def test_tokenizer_without_chat_template_refuses_messages(tmp_path, hf_dir):

@@ -176,6 +176,28 @@ def test_missing_checkpoint_is_one_line(runs):
     assert f"checkpoint not found: {d / 'no_such_run'}" in line
 
 
+def test_an_error_every_rank_finds_is_printed_once(tmp_path, monkeypatch, capsys):
+    """(issue 26 item 23) Under 2 ranks each error was printed twice ("error: ..." and
+    "error: [rank 1] ..."): the tool's checks are the same on every rank, rank 0 prints them."""
+    import importlib.util
+
+    from bebop_megatron.cli import run_cli
+
+    spec = importlib.util.spec_from_file_location("eval_acceptance", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    missing = tmp_path / "no_such_run"
+    printed = []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        with pytest.raises(SystemExit) as exc:
+            run_cli(lambda: tool.main(["--checkpoint", str(missing), "--data", str(VALID)]))
+        assert exc.value.code == 2
+        printed.append(capsys.readouterr().err)
+    assert printed == [f"error: checkpoint not found: {missing} (expected a save.dir with 'latest' or an iter_N "
+                       "directory)\n", ""]
+
+
 def test_missing_data_names_the_flag(runs):
     results, d = runs
     missing = d / "missing.jsonl"

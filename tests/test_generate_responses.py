@@ -307,6 +307,8 @@ def test_ctrl_c_keeps_finished_samples(tmp_path, capsys):
 
 @pytest.mark.parametrize("line, message", [
     ("{not json", "malformed JSON"),
+    ('{"prompt": "hi",', "malformed JSON: Expecting property name enclosed in double quotes at column 17 (the end of "
+                        "the line)"),  # not the decoder's "line 2 column 1"
     ('["a"]', "expected a JSON object, got array"),
     ('{"id": "x"}', "needs exactly one of 'prompt'"),
     ('{"prompt": "a", "messages": []}', "got both"),

@@ -230,3 +230,30 @@ def test_docs_name_every_field_a_resume_refuses():
     assert not missing, f"docs/production.md's resume item does not name {sorted(missing)}"
     assert excepted == set(resume.ALLOWED_MODEL_KEYS)
     assert not any(resume._refused(key, object(), object(), cfg) for key in excepted)
+
+
+@pytest.mark.parametrize("resume", ["auto", "none"])
+def test_a_latest_that_is_a_directory_is_refused_up_front(tmp_path, resume):
+    """(issue 26 item 20) It used to read as 'latest is missing', train, then fail on latest.tmp."""
+    (tmp_path / "ckpt" / "latest").mkdir(parents=True)
+    message = refusal(tmp_path / "ckpt", f"train.resume={resume}")
+    if resume == "auto":
+        latest = tmp_path / "ckpt" / "latest"
+        assert message == (f"{latest} is a directory; it must be the file naming the newest checkpoint: move it aside "
+                           f"(e.g. mv {latest} {latest}.old) and run again")
+    else:  # train.resume=none: refused unless save.overwrite=true, which deletes it
+        assert "already holds checkpoints (latest)" in message
+
+
+def test_a_training_checkpoint_is_refused_as_the_backbone(trained):
+    """(issue 26 item 14) A real checkpoint of this trainer holds no backbone weights (it failed with
+    a KeyError after the model build); tests/test_checkpoint_kinds.py has the other kinds."""
+    from bebop_megatron.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*TINY, f"model.backbone_checkpoint={trained / 'iter_0000002'}"])
+    assert str(err.value).startswith(f"model.backbone_checkpoint={trained / 'iter_0000002'} is a training checkpoint: "
+                                     "it holds MTP heads and optimizer state, not the backbone's weights (it was "
+                                     "trained on a randomly initialised backbone); pass the backbone"), str(err.value)
+    with pytest.raises(ConfigError, match=r"is a training run's save.dir"):
+        load_config(None, [*TINY, f"model.init_checkpoint={trained}"])

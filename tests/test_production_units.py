@@ -74,6 +74,27 @@ def test_preemption_handler_records_the_signal(sig):
     assert exc.value.code == REQUEUE_EXIT_CODE == 75
 
 
+def test_the_stop_line_says_when_the_launcher_is_gone(monkeypatch):
+    """(issue 26 item 23) After the watchdog's SIGTERM the last line read "SIGTERM: ... so that the
+    launcher requeues the job", after an "error:" line: now it says what happened."""
+    from bebop_megatron import launcher
+    from bebop_megatron.training.signals import stop_message
+
+    assert stop_message("SIGTERM", "c/iter_0000005", 5) == (
+        "SIGTERM: checkpoint c/iter_0000005 at step 5; exiting with 75 so that the launcher requeues the job")
+    assert stop_message("SIGTERM", "c/iter_0000005", 5, launcher_gone=4242) == (
+        "the launcher (pid 4242) is gone (SIGTERM): checkpoint c/iter_0000005 at step 5; stopped with exit status 75 "
+        "(train.resume=auto continues from it)")
+    assert stop_message(None, None, 3, launcher_gone=4242).startswith(  # another rank got the signal first
+        "the launcher (pid 4242) is gone: checkpoint (none: save.dir is null) at step 3;")
+    monkeypatch.setattr(launcher, "_watched", None)  # not under torchrun
+    assert launcher.gone() is None
+    monkeypatch.setattr(launcher, "_watched", os.getppid())  # still the parent
+    assert launcher.gone() is None
+    monkeypatch.setattr(launcher, "_watched", 4242)  # no longer the parent
+    assert launcher.gone() == 4242
+
+
 def test_fp8_without_transformer_engine_fails_with_the_install_hint():
     from bebop_megatron.training.precision import check_fp8_available, fp8_transformer_settings
 
@@ -142,6 +163,7 @@ def test_cluster_example_config_validates(tmp_path, world_size):
     data.write_text('{"prompt": "1+1=", "response": "2"}\n')
     tokenizer = tmp_path / "tokenizer"
     tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")  # a directory that holds tokenizer files (not loaded here)
     # the cluster's paths do not exist here: point the data at local stand-ins
     cfg = load_config(str(CLUSTER), [f"data.train_files=[{data}]", f"data.tokenizer={tokenizer}"])
     sizes = parallel_sizes(cfg, world_size)

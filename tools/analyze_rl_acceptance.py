@@ -75,6 +75,15 @@ def read_table(path: str, fmt: str) -> tuple[list[str], list[dict]]:
         raise ValueError(f"{path}: file not found")
     if fmt == "auto":
         fmt = "jsonl" if path.endswith((".jsonl", ".json")) else "csv"
+    try:
+        return _read_rows(path, fmt)
+    except UnicodeDecodeError as err:  # a binary file (a .png, a wandb .wandb log, ...)
+        raise ValueError(f"{path}: not a UTF-8 text file (byte {err.start + 1}); give a CSV or JSONL export") from None
+    except csv.Error as err:  # e.g. "line contains NUL"
+        raise ValueError(f"{path}: not a CSV file ({err}); give a CSV or JSONL export") from None
+
+
+def _read_rows(path: str, fmt: str) -> tuple[list[str], list[dict]]:
     with open(path, newline="", encoding="utf-8") as f:
         if fmt == "csv":
             reader = csv.DictReader(f)
@@ -179,6 +188,10 @@ def analyze(steps, entropy, series: dict[str, np.ndarray], args) -> dict:
         try:
             split = entropy_mismatch_split(entropy, accept, args.fit_fraction)
         except ValueError as err:
+            if "x is constant" in str(err):  # fit_line's name for the entropy series
+                raise ValueError(f"{args.input}: --entropy-col {args.entropy_col!r} is constant over the fit window "
+                                 f"(the first {args.fit_fraction:g} of the steps): the entropy slope is undefined; "
+                                 "raise --fit-fraction or check the column") from None
             raise ValueError(f"{args.input}: {err}") from None
         if split.num_fit >= len(steps):
             raise ValueError(f"{args.input}: too few steps ({len(steps)}) after the fit window of {split.num_fit}")

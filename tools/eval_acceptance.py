@@ -116,6 +116,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- setup
 
 
+class EvalError(ValueError):
+    """A wrong flag, checkpoint or data set: every rank finds it alike, so only rank 0 prints it
+    (:func:`bebop_megatron.cli.run_cli`; a plain ``ValueError`` is printed by every rank)."""
+
+    same_on_every_rank = True
+
+
 def resolve_checkpoint(path: str) -> str:
     """A save.dir (its ``latest``) or one checkpoint directory; plain ``os`` checks, so a wrong
     path fails before the (slow) Megatron imports."""
@@ -124,11 +131,16 @@ def resolve_checkpoint(path: str) -> str:
         with open(marker) as f:
             found = os.path.join(path, f.read().strip())
         if not os.path.isfile(os.path.join(found, "metadata.json")):
-            raise ValueError(f"checkpoint not found: {marker} names {found}, which is not a complete checkpoint")
+            raise EvalError(f"checkpoint not found: {marker} names {found}, which is not a complete checkpoint")
         return found
+    if os.path.isfile(os.path.join(path, "bebop_model.yaml")):  # convert.importer's record of the sizes
+        raise EvalError(f"--checkpoint {path} is a model imported by tools/convert_from_hf.py, not a training "
+                         f"checkpoint: train MTP heads on it (model.backbone_checkpoint={path}, or "
+                         "model.init_checkpoint to start from its MTP layers, with the settings of its "
+                         "bebop_model.yaml) and pass that run's save.dir")
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return path
-    raise ValueError(f"checkpoint not found: {path} (expected a save.dir with 'latest' or an iter_N directory)")
+    raise EvalError(f"checkpoint not found: {path} (expected a save.dir with 'latest' or an iter_N directory)")
 
 
 def check_intact(ckpt_path: str) -> None:
@@ -141,7 +153,7 @@ def check_intact(ckpt_path: str) -> None:
         previous = newest_intact_before(os.path.dirname(ckpt_path), ckpt_path)
         hint = (f"the newest intact checkpoint before it is {previous}: pass --checkpoint {previous}" if previous
                 else "there is no intact checkpoint before it")
-        raise ValueError(f"checkpoint {ckpt_path} is damaged: {problem}; {hint}")
+        raise EvalError(f"checkpoint {ckpt_path} is damaged: {problem}; {hint}")
 
 
 def eval_config(ckpt_path: str, args, world: int, device: str):
@@ -156,12 +168,12 @@ def eval_config(ckpt_path: str, args, world: int, device: str):
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             common = read_common_state(ckpt_path)
     except Exception as err:  # a directory that is not a dist checkpoint
-        raise ValueError(f"{ckpt_path}: cannot read the checkpoint ({type(err).__name__}: {err})") from None
+        raise EvalError(f"{ckpt_path}: cannot read the checkpoint ({type(err).__name__}: {err})") from None
     if "config_yaml" not in common:
-        raise ValueError(f"{ckpt_path}: the checkpoint holds no config_yaml (not written by the trainer?)")
+        raise EvalError(f"{ckpt_path}: the checkpoint holds no config_yaml (not written by the trainer?)")
     saved = OmegaConf.to_container(OmegaConf.create(common["config_yaml"]))
     if world % args.tensor_parallel:
-        raise ValueError(f"--tensor-parallel {args.tensor_parallel} does not divide the world size {world}; launch "
+        raise EvalError(f"--tensor-parallel {args.tensor_parallel} does not divide the world size {world}; launch "
                          f"with torchrun --nproc_per_node {args.tensor_parallel} (or a multiple of it)")
     dp = world // args.tensor_parallel
     overrides = [
@@ -172,7 +184,7 @@ def eval_config(ckpt_path: str, args, world: int, device: str):
     ]
     if is_synthetic(args):
         if saved.get("data", {}).get("train_files"):
-            raise ValueError("--data synthetic: the checkpoint was trained on data files, not on the synthetic "
+            raise EvalError("--data synthetic: the checkpoint was trained on data files, not on the synthetic "
                              "language; pass held-out files of that data")
     else:
         overrides.append("data.valid_files=[" + ",".join(json.dumps(p) for p in args.data) + "]")
@@ -300,11 +312,11 @@ def evaluate(args) -> dict | None:
     K = cfg.mtp.num_steps
     gamma = args.gamma if args.gamma is not None else K
     if not 1 <= gamma <= K:
-        raise ValueError(f"--gamma must be in 1..{K} (the checkpoint's mtp.num_steps), got {gamma}")
+        raise EvalError(f"--gamma must be in 1..{K} (the checkpoint's mtp.num_steps), got {gamma}")
     setup_parallel(cfg, world)
     dataset = held_out_dataset(cfg, args, progress=not args.no_progress and rank == 0)
     if dataset is None or len(dataset) == 0:
-        raise ValueError(f"no held-out rows in {args.data}")
+        raise EvalError(f"no held-out rows in {args.data}")
     check_trainable(dataset, "--data", "evaluate")  # before the model: no valid position, no acceptance to measure
     synthetic_backbone.prepare(cfg, rank)  # a fitted synthetic backbone missing from the cache is rebuilt
     model = load_trained_model(cfg, ckpt_path, device)
@@ -364,30 +376,9 @@ def evaluate(args) -> dict | None:
 
 
 def print_summary(result: dict) -> None:
-    for tau, e in result["per_temperature"].items():
-        rs = " ".join(f"{a:.3f}" for a in e["alpha_rs"])
-        to = " ".join(f"{a:.3f}" for a in e["alpha_to"])
-        sim = e["empirical_accept_len_rs"][-1]
-        print(f"T={tau}: alpha_RS [{rs}] alpha_TO [{to}] | E[L]({result['gamma']}) RS {e['accept_len_rs'][-1]:.3f} "
-              f"(simulated {'n/a' if sim is None else f'{sim:.3f}'}) TO {e['accept_len_to'][-1]:.3f} | "
-              f"entropy slope RS {_fmt(e['entropy_fit']['rs']['slope'])} TO {_fmt(e['entropy_fit']['to']['slope'])}")
-    speedup = result.get("speedup")
-    if speedup:
-        c = speedup["costs"]
-        times = (f"c_target {c['target_ms']:.3f} ms, c_draft {c['draft_ms']:.3f} ms, " if c["target_ms"] else "")
-        print(f"speed-up model ({c['source']}): {times}c_draft/c_target {c['draft_ratio']:.3f}, overhead "
-              f"{c['overhead']:.3f}; {speedup['note']}")
-        for tau, row in speedup["per_temperature"].items():
-            rs = " ".join(f"{g}:{s:.2f}" for g, s in zip(row["gamma"], row["speedup_rs"]))
-            print(f"T={tau}: speed-up RS by gamma [{rs}] -> recommended gamma {row['best_gamma_rs']} "
-                  f"({row['best_speedup_rs']:.2f}x; target-only best {row['best_gamma_to']}: "
-                  f"{row['best_speedup_to']:.2f}x)")
-    print(f"wrote {os.path.join(os.path.dirname(result['plots']['alpha_per_step']), 'report.json')} and "
-          f"{len(result['plots'])} plots")
+    from bebop_megatron.metrics.summary import summary_lines
 
-
-def _fmt(x) -> str:
-    return "n/a" if x is None else f"{x:+.3f}"
+    print("\n".join(summary_lines(result)))
 
 
 def main(argv=None) -> dict | None:

@@ -9,10 +9,12 @@ from typing import Any, Iterable, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from bebop_megatron.config.checkpoints import validate_checkpoints
 from bebop_megatron.config.errors import ConfigError
+from bebop_megatron.config.outputs import validate_outputs
 from bebop_megatron.config.schema import Config
 from bebop_megatron.config.sizes import validate_sizes
-from bebop_megatron.config.sources import validate_data
+from bebop_megatron.config.sources import single_source_as_list, validate_data
 from bebop_megatron.config.yaml_file import default_save_dir, read_config_file
 
 
@@ -36,6 +38,8 @@ def _friendly(err: OmegaConfBaseException) -> ConfigError:
     if isinstance(err, ConfigKeyError):
         return ConfigError(f"unknown config key '{key}'{_did_you_mean(str(key))}")
     msg = str(err).splitlines()[0]
+    if "is not a ListConfig" in msg:  # a scalar given for a list field
+        return ConfigError(f"config field '{key}' is a list: write [{getattr(err, 'value', '...')}]")
     return ConfigError(f"config field '{key}': {msg}")
 
 
@@ -111,6 +115,7 @@ def load_config(
             layers.append(OmegaConf.from_dotlist(overrides))
         for layer in layers[1:]:
             _check_sections(layer)
+            single_source_as_list(layer)
         merged = OmegaConf.merge(*layers)
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
@@ -263,6 +268,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.clip_grad={t.clip_grad} must be >= 0")
     if m.backbone_checkpoint and m.init_checkpoint:
         raise ConfigError("model.backbone_checkpoint and model.init_checkpoint are exclusive")
+    validate_checkpoints(cfg)
     if cfg.precision == "fp8" and m.transformer_impl == "local":
         raise ConfigError("precision=fp8 needs model.transformer_impl=transformer_engine (or auto)")
     if cfg.save.overwrite and t.resume != "none":
@@ -330,6 +336,7 @@ def _validate_production(cfg: Config) -> None:
     peak = cfg.logging.peak_tflops
     if peak is not None and peak <= 0:
         raise ConfigError(f"logging.peak_tflops={peak} must be > 0 (or null)")
+    validate_outputs(cfg)
 
 
 def _validate_pipeline_layout(cfg: Config) -> None:

@@ -224,7 +224,8 @@ class DataConfig:
     give a weight for every entry or for none). A path is a JSONL file (``messages``,
     ``prompt``/``response`` or ``text`` per line) or a Megatron indexed dataset written by
     ``tools/preprocess_data.py`` (``PREFIX``, ``PREFIX.bin`` or ``PREFIX.idx``). Relative
-    paths are relative to the working directory. Without weights the files form one corpus."""
+    paths are relative to the working directory. Without weights the files form one corpus.
+    A single entry may be given without the list (``data.train_files=PATH``)."""
     valid_files: list[Any] = field(default_factory=list)
     """Validation sources, same form as ``train_files``; empty = no validation data."""
     tokenizer: Optional[str] = None

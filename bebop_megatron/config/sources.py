@@ -2,7 +2,8 @@
 
 ``data.train_files`` / ``data.valid_files`` entries are a path or ``{path, weight}``. A path
 is a JSONL file, or a Megatron indexed dataset given as ``PREFIX``, ``PREFIX.bin`` or
-``PREFIX.idx`` (``PREFIX.bin`` and ``PREFIX.idx`` must both exist). :func:`parse_sources`
+``PREFIX.idx`` (``PREFIX.bin`` and ``PREFIX.idx`` must both exist); a single entry may be given
+without the list (:func:`single_source_as_list`). :func:`parse_sources`
 turns the entries into :class:`SourceSpec` records; the data package reads them from there,
 so the config check and the loader agree on what each entry is.
 """
@@ -46,7 +47,31 @@ def _kind_and_path(path: str, where: str) -> tuple[str, str]:
         return "indexed", path
     if os.path.isdir(path):
         raise ConfigError(f"{where}={path!r} is a directory; give a JSONL file or an indexed-dataset prefix")
+    halves = [os.path.isfile(path + ext) for ext in (".bin", ".idx")]
+    if any(halves):  # one half of an indexed dataset
+        missing, present = (".idx", ".bin") if halves[0] else (".bin", ".idx")
+        raise ConfigError(f"{where}={path!r}: indexed dataset file {path + missing!r} not found "
+                          f"({path + present} is there)")
     raise ConfigError(f"{where}={path!r}: no such file (nor {path}.bin/.idx)")
+
+
+SOURCE_FIELDS = ("train_files", "valid_files")
+
+
+def single_source_as_list(layer) -> None:
+    """``data.train_files=PATH`` (or ``{path, weight}``) in a config layer: the list ``[PATH]``
+    (OmegaConf refuses a scalar for a list field with 'AnyNode is not a ListConfig')."""
+    from omegaconf import OmegaConf
+
+    data = layer.get("data") if OmegaConf.is_dict(layer) else None
+    if not OmegaConf.is_dict(data):
+        return
+    for name in SOURCE_FIELDS:
+        value = data.get(name)
+        if isinstance(value, str) and value:
+            data[name] = [value]
+        elif OmegaConf.is_dict(value):
+            data[name] = [OmegaConf.to_container(value)]
 
 
 def parse_sources(entries: Any, field: str) -> list[SourceSpec]:
@@ -84,6 +109,24 @@ def parse_sources(entries: Any, field: str) -> list[SourceSpec]:
     return specs
 
 
+def _is_tokenizer_file(name: str) -> bool:
+    return name.startswith(("tokenizer", "vocab", "spiece", "sentencepiece", "special_tokens_map")) or \
+        name == "merges.txt" or name.endswith((".model", ".tiktoken"))
+
+
+def tokenizer_dir_problem(path: str) -> str | None:
+    """What makes the directory ``path`` no Hugging Face tokenizer (None: it holds tokenizer files;
+    whether they load is for transformers to say)."""
+    if not os.path.isdir(path):
+        return None
+    names = os.listdir(path)
+    if not any(_is_tokenizer_file(n) for n in names):
+        what = "is an empty directory" if not names else "holds no tokenizer files"
+        return (f"{what} (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.* ...): give the directory "
+                "of a Hugging Face tokenizer, e.g. a model's save_pretrained() output")
+    return None
+
+
 def validate_data(cfg) -> None:
     """The ``data`` part of :func:`bebop_megatron.config.validate`."""
     d = cfg.data
@@ -93,6 +136,9 @@ def validate_data(cfg) -> None:
             raise ConfigError(f"data.{name}={value!r} must be one of {', '.join(choices)}")
     if d.tokenizer is not None and not os.path.isdir(d.tokenizer):
         raise ConfigError(f"data.tokenizer={d.tokenizer!r} is not a directory (a local Hugging Face tokenizer)")
+    problem = tokenizer_dir_problem(d.tokenizer) if d.tokenizer is not None else None
+    if problem:
+        raise ConfigError(f"data.tokenizer={d.tokenizer!r} {problem}")
     parse_sources(d.train_files, "data.train_files")
     parse_sources(d.valid_files, "data.valid_files")
     if not d.train_files and d.num_samples < 1:

@@ -7,6 +7,7 @@ with status 2 (:func:`bebop_megatron.cli.run_cli`). Errors about one input line 
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 from collections import Counter
@@ -27,6 +28,15 @@ class LineError(Exception):
         super().__init__(message)
         self.reason = reason
         self.message = " ".join(message.split())  # one line, whatever the source said
+
+
+def malformed_json(err: json.JSONDecodeError) -> str:
+    """``malformed JSON: WHAT at column N`` for one JSONL line: ``N`` counts from the line's start
+    (the decoder counts the line's own newline as a line 2 and would say 'line 2 column 1')."""
+    end = len(err.doc.rstrip("\r\n"))  # the decoder skips the newline as whitespace, then fails past it
+    if err.pos >= end:
+        return f"malformed JSON: {err.msg} at column {end + 1} (the end of the line)"
+    return f"malformed JSON: {err.msg} at column {err.pos + 1}"
 
 
 def is_rank0() -> bool:

@@ -28,7 +28,7 @@ from typing import Iterable, Iterator, Optional, Protocol, Union
 
 from tqdm import tqdm
 
-from bebop_megatron.data.errors import DataError
+from bebop_megatron.data.errors import DataError, malformed_json
 
 # Output keys a prompt line may not carry as an extra field (they would be overwritten).
 RESERVED_FIELDS = ("sample", "finish_reason", "num_tokens")
@@ -165,7 +165,7 @@ def read_prompts(path: str, limit: Optional[int] = None, drop_response: bool = F
             except UnicodeDecodeError as err:
                 raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {err.start + 1})") from None
             except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{lineno}: malformed JSON: {err.msg} at column {err.colno}") from None
+                raise DataError(f"{path}:{lineno}: {malformed_json(err)}") from None
             try:
                 prompt = parse_prompt(obj, lineno, drop_response)
             except ValueError as err:
@@ -228,8 +228,9 @@ def load_existing(path: str, track_responses: bool = False) -> ExistingOutput:
                 if track_responses:
                     state.responses.setdefault(key, set()).add(response_digest(response))
             except (ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+                reason = malformed_json(err) if isinstance(err, json.JSONDecodeError) else f"{type(err).__name__}: {err}"
                 raise DataError(f"{path}:{lineno}: cannot resume from this output file: not a generated sample "
-                                f"({type(err).__name__}: {err}); pass another --out") from None
+                                f"({reason}); pass another --out") from None
             state.done.add((key, sample))
             state.num_lines += 1
     return state

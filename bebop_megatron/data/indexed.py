@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import warnings
 
 import numpy as np
@@ -73,6 +74,40 @@ class IndexedWriter:
                 os.remove(path)
 
 
+_IDX_HEADER = b"MMIDIDX\x00\x00"  # Megatron-Core's index format, version 1
+_IDX_FIXED = 34  # header 9, version 8, dtype code 1, sequence count 8, document count 8 bytes
+
+
+def _check_index(prefix: str, where: str) -> None:
+    """The ``.idx`` is whole: Megatron's reader fails on a truncated one with numpy's 'buffer is
+    smaller than requested size' (no file named) and a noisy ``__del__``."""
+    path = prefix + ".idx"
+    with open(path, "rb") as f:
+        head = f.read(_IDX_FIXED)
+    fixed = len(head) == _IDX_FIXED and head[:9] == _IDX_HEADER and struct.unpack("<Q", head[9:17])[0] == 1
+    num_sequences, num_documents = struct.unpack("<QQ", head[18:34]) if fixed else (0, 0)
+    needed = _IDX_FIXED + 12 * num_sequences + 8 * num_documents  # lengths int32, pointers and documents int64
+    if not fixed or os.path.getsize(path) < needed:
+        raise DataError(f"{where}: {path} is truncated or not a Megatron index; re-run tools/preprocess_data.py")
+
+
+def _open(indexed_dataset, prefix: str, where: str):
+    """Megatron's ``IndexedDataset`` at ``prefix``, its files checked first (a truncated ``.bin``
+    would fail at the first read past its end, after the model build, naming no file)."""
+    _check_index(prefix, where)
+    with warnings.catch_warnings():
+        # Its index reader logs "on rank 0" and warns when no process group exists (tools, tests).
+        warnings.filterwarnings("ignore", message="Could not determine rank")
+        dataset = indexed_dataset(prefix)
+    index = dataset.index
+    needed = int(index.sequence_pointers[-1]) + int(index.sequence_lengths[-1]) * index.dtype_size if len(index) else 0
+    size = os.path.getsize(prefix + ".bin")
+    if size < needed:
+        raise DataError(f"{where}: {prefix}.bin is truncated ({size} bytes; its .idx needs {needed}); re-run "
+                        "tools/preprocess_data.py")
+    return dataset
+
+
 class IndexedSource:
     """Documents of an indexed dataset: ``lengths`` (int [N]) and ``get(j) -> (tokens, trained)``.
 
@@ -95,11 +130,8 @@ class IndexedSource:
             raise DataError(f"{where}: cannot read {prefix + META_SUFFIX}: {err}") from None
         if not isinstance(self.meta, dict) or self.meta.get("format") != FORMAT:
             raise DataError(f"{where}: {prefix + META_SUFFIX} is not a {FORMAT} sidecar; re-run tools/preprocess_data.py")
-        with warnings.catch_warnings():
-            # Its index reader logs "on rank 0" and warns when no process group exists (tools, tests).
-            warnings.filterwarnings("ignore", message="Could not determine rank")
-            self.tokens = IndexedDataset(prefix)
-            self.mask = IndexedDataset(prefix + MASK_SUFFIX)
+        self.tokens = _open(IndexedDataset, prefix, where)
+        self.mask = _open(IndexedDataset, prefix + MASK_SUFFIX, where)
         if not np.array_equal(self.tokens.sequence_lengths, self.mask.sequence_lengths):
             raise DataError(f"{where}: {prefix}{MASK_SUFFIX} does not match {prefix} (document lengths differ)")
 

@@ -33,7 +33,9 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from bebop_megatron.data.errors import DataError, LineError, SkipReport, is_rank0, log_rank0, warn_rank0
+from bebop_megatron.data.errors import (
+    DataError, LineError, SkipReport, is_rank0, log_rank0, malformed_json, warn_rank0,
+)
 from bebop_megatron.data.tokenizer import Tokenizer
 
 _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
@@ -113,7 +115,7 @@ def _parse_line(raw: bytes):
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
-        raise LineError("malformed JSON", f"malformed JSON: {err.msg} at column {err.colno}") from None
+        raise LineError("malformed JSON", malformed_json(err)) from None
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
+from bebop_megatron.config.sources import tokenizer_dir_problem
 from bebop_megatron.data.errors import DataError, LineError
 
 
@@ -80,6 +81,9 @@ class HFTokenizer:
     def __init__(self, path: str):
         from transformers import AutoTokenizer
 
+        problem = tokenizer_dir_problem(path)  # transformers would suggest installing sentencepiece
+        if problem:
+            raise DataError(f"data.tokenizer={path!r} {problem}")
         try:
             tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as err:  # OSError, ValueError, JSON errors: all mean "not a tokenizer dir"

@@ -6,7 +6,8 @@
   ``save.overwrite=true`` (which deletes them: the new run's steps would otherwise mix with the
   old run's, ``latest`` would move back and ``save.keep_last`` would delete the new files);
 - ``train.resume=auto``: picks the checkpoint (``latest``; when it is missing, empty or names
-  no complete checkpoint, the newest complete ``iter_N``, with a notice), checks its files
+  no complete checkpoint, the newest complete ``iter_N``, with a notice; a ``latest`` that is a
+  directory is refused), checks its files
   (:func:`damage`) and compares its saved ``config.yaml`` with this run's config
   (:func:`compare_configs`): changes that define the model, the backbone or the data are
   refused, the others are listed in one notice; a backbone or a training data file whose
@@ -92,6 +93,21 @@ def find_checkpoint(save_dir: str) -> tuple[str | None, str | None]:
 def damage(path: str) -> str | None:
     """What is wrong with a checkpoint's files (unreadable metadata, a missing or truncated
     shard, an unreadable config or common state), or None. Reads metadata only."""
+    problem = files_problem(path)
+    if problem:
+        return problem
+    if os.path.exists(os.path.join(path, CONFIG_FILE)) and saved_config(path) is None:
+        return f"{CONFIG_FILE} is unreadable"
+    try:
+        common_state(path)
+    except Exception as err:
+        return f"its common state is unreadable ({type(err).__name__})"
+    return None
+
+
+def files_problem(path: str) -> str | None:
+    """The distributed-checkpoint part of :func:`damage` (any such checkpoint, a model
+    checkpoint too): unreadable metadata, a missing or truncated shard; or None."""
     try:
         with open(os.path.join(path, "metadata.json")) as f:
             if not isinstance(json.load(f), dict):
@@ -113,12 +129,6 @@ def damage(path: str) -> str | None:
             return f"{name} is missing"
         if os.path.getsize(file) < size:
             return f"{name} is truncated ({os.path.getsize(file)} of at least {size} bytes)"
-    if os.path.exists(os.path.join(path, CONFIG_FILE)) and saved_config(path) is None:
-        return f"{CONFIG_FILE} is unreadable"
-    try:
-        common_state(path)
-    except Exception as err:
-        return f"its common state is unreadable ({type(err).__name__})"
     return None
 
 
@@ -237,6 +247,10 @@ def plan_start(cfg: Config) -> Plan:
     if cfg.train.resume == "none":
         _overwrite(save_dir, cfg, plan)
         return plan
+    marker = os.path.join(save_dir, LATEST)
+    if os.path.isdir(marker):  # it could never be replaced: the first save would fail on latest.tmp
+        raise StartError(f"{marker} is a directory; it must be the file naming the newest checkpoint: move it aside "
+                         "(e.g. mv {0} {0}.old) and run again".format(marker))
     path, notice = find_checkpoint(save_dir)
     if notice:
         plan.notices.append(notice)

@@ -26,6 +26,19 @@ class Preempted(SystemExit):
         self.message = message
 
 
+def stop_message(received: str | None, checkpoint: str | None, step: int, launcher_gone: int | None = None) -> str:
+    """The trainer's last line after a stop signal: what happened, where it stopped, its exit status.
+
+    ``launcher_gone``: the pid of a launcher found gone (:func:`bebop_megatron.launcher.gone`);
+    its watchdog sent the SIGTERM, and no launcher is left to requeue the job."""
+    where = f"checkpoint {checkpoint or '(none: save.dir is null)'} at step {step}"
+    if launcher_gone is not None:
+        why = f"the launcher (pid {launcher_gone}) is gone" + (f" ({received})" if received else "")
+        return f"{why}: {where}; stopped with exit status {REQUEUE_EXIT_CODE} (train.resume=auto continues from it)"
+    return f"{received or 'preemption signal'}: {where}; exiting with {REQUEUE_EXIT_CODE} so that the launcher " \
+        "requeues the job"
+
+
 class PreemptionHandler:
     """Records SIGTERM / SIGUSR1; ``received`` is the name of the first one, else None."""
 

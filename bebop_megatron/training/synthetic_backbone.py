@@ -15,13 +15,16 @@ shape, the synthetic language, the fit recipe and :data:`FIT_VERSION`); a missin
 rebuilt, a changed config gets its own entry. The fit is deterministic (fixed seed, data
 order and thread count) and runs in a child process (``python -m
 bebop_megatron.training.synthetic_backbone CONFIG.yaml OUT``) so that it never touches the
-run's process groups; the other ranks wait at a barrier.
+run's process groups; the other ranks wait for rank 0's outcome. A damaged entry (a truncated
+file) is rebuilt; a cache that cannot be written (read-only, full) is one :class:`CacheError`
+line naming it, and an interrupted fit leaves no ``<key>.tmp<PID>`` behind.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import hashlib
 import json
 import math
@@ -41,6 +44,15 @@ FIT_SEED = 4321
 FIT_THREADS = 1  # fixed, so that the float sums (and the cached weights) do not depend on the machine
 DONE = "fit.json"  # written last: an entry without it is incomplete
 _NOT_IN_KEY = ("backbone_checkpoint", "init_checkpoint", "transformer_impl", "freeze_backbone", "backbone_init")
+WRITE_FAILED = 74  # the fit's exit status when its checkpoint could not be written (EX_IOERR)
+_HINT = "set BEBOP_MEGATRON_CACHE to a writable directory with space, or use model.backbone_init=random"
+
+
+class CacheError(ValueError):
+    """The synthetic-backbone cache cannot be written (read-only, full); one line naming it.
+    Every rank raises it alike (rank 0 broadcasts it)."""
+
+    same_on_every_rank = True
 
 
 def cache_root() -> str:
@@ -84,6 +96,29 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, DONE))
 
 
+def entry_problem(path: str) -> str | None:
+    """What is wrong with a complete entry's files (a truncated one failed to load with an
+    ``EOFError`` after the model build), or None."""
+    from bebop_megatron.training.resume import files_problem
+
+    try:
+        with open(os.path.join(path, DONE)) as f:
+            if not isinstance(json.load(f), dict):
+                raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        return f"{DONE} is unreadable or truncated ({type(err).__name__})"
+    return files_problem(path)
+
+
+def _not_writable(err: OSError) -> CacheError:
+    where = err.filename or cache_root()
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left on device" if err.errno == errno.ENOSPC else "disk quota exceeded"
+        return CacheError(f"synthetic-backbone cache: {what} while writing {where}; {_HINT}")
+    return CacheError(f"synthetic-backbone cache {cache_root()} cannot be written ({err.strerror or err}: {where}); "
+                      f"{_HINT}")
+
+
 def resolve(cfg) -> str | None:
     """Point ``cfg.model.backbone_checkpoint`` at the cache entry (nothing is fitted); None when
     not applicable."""
@@ -105,26 +140,52 @@ def prepare(cfg, rank: int = 0, log=print) -> str | None:
     path = resolve(cfg)
     if path is None:
         return None
+    problem, unexpected = None, None
     if rank == 0:
-        if is_complete(path):
-            log(f"backbone: fitted to the synthetic language, cached in {path}")
-        else:
-            run_fit(cfg, path, log)
+        try:
+            damaged = entry_problem(path) if is_complete(path) else None
+            if damaged:
+                log(f"backbone: the cached entry {path} is damaged ({damaged}): fitting it again")
+                shutil.rmtree(path, ignore_errors=True)
+            if is_complete(path):
+                log(f"backbone: fitted to the synthetic language, cached in {path}")
+            else:
+                run_fit(cfg, path, log)
+        except CacheError as err:
+            problem = str(err)
+        except Exception as err:  # the other ranks must not wait for rank 0 forever
+            problem, unexpected = f"rank 0 failed while fitting the synthetic backbone ({type(err).__name__})", err
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)  # also the barrier: every rank waits for the fit
+        problem = box[0]
+    if unexpected is not None:
+        raise unexpected
+    if problem:
+        raise CacheError(problem)
     return path
 
 
 def run_fit(cfg, path: str, log=print) -> dict:
     """Fit in a child process (one CPU process at TP=1) into ``path``; returns its ``fit.json``."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        return _fit_into(cfg, path, tmp, log)
+    finally:  # a failed or interrupted (Ctrl-C) fit leaves nothing; after the rename tmp is gone
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fit_into(cfg, path: str, tmp: str, log) -> dict:
     from bebop_megatron.config import to_yaml
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    with open(os.path.join(tmp, "run_config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        with open(os.path.join(tmp, "run_config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
+    except OSError as err:  # read-only or full cache
+        raise _not_writable(err) from None
     # A world of its own: none of torchrun's variables (TORCHELASTIC_USE_AGENT_STORE would make it
     # wait for the launcher's store).
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_") and k not in (
@@ -137,13 +198,14 @@ def run_fit(cfg, path: str, log=print) -> dict:
                            os.path.join(tmp, "run_config.yaml"), tmp],
                           env=env, stdout=sys.stdout, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0 or not is_complete(tmp):
-        shutil.rmtree(tmp, ignore_errors=True)
         tail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit status {proc.returncode}"
+        if proc.returncode == WRITE_FAILED:  # the child's one line: "error: no space left on device while ..."
+            raise CacheError(f"synthetic-backbone cache: {tail.removeprefix('error: ')}; {_HINT}")
         raise RuntimeError(f"fitting the synthetic backbone failed: {tail}")
     try:
         os.rename(tmp, path)
     except OSError:  # another run published the same (deterministic) entry first
-        shutil.rmtree(tmp, ignore_errors=True)
+        pass
     with open(os.path.join(path, DONE)) as f:
         return json.load(f)
 
@@ -160,6 +222,7 @@ def fit(cfg, out: str, log=print) -> dict:
     from bebop_megatron.losses.vocab import mask_padded_vocab_
     from bebop_megatron.model import build_model
     from bebop_megatron.platform import init_distributed
+    from bebop_megatron.platform.checkpoint_writer import record_write_errors
     from bebop_megatron.training.checkpoint import save_model_checkpoint
     from bebop_megatron.training.parallel import setup_parallel
 
@@ -205,6 +268,7 @@ def fit(cfg, out: str, log=print) -> dict:
             log(f"backbone fit: step {step + 1:>4}/{FIT_STEPS} | loss {losses[-1]:.3f} (entropy rate {entropy:.3f}) "
                 f"| {time.perf_counter() - start:.0f}s")
     model.mtp_process = True
+    record_write_errors()  # a failed shard write keeps its OSError (and file) for the error line
     save_model_checkpoint(out, model)
     record = {"key": fit_key(cfg), "final_loss": float(np.mean(losses[-20:])), "first_loss": losses[0],
               "entropy_rate": entropy, "ln_vocab": math.log(vocab), "seconds": time.perf_counter() - start,
@@ -226,7 +290,16 @@ def main(argv=None) -> None:
         from bebop_megatron.config import load_config
 
         cfg = load_config(None, defaults=_container(f.read()))
-    fit(cfg, out, log=lambda line: print(line, flush=True))
+    try:
+        fit(cfg, out, log=lambda line: print(line, flush=True))
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        from bebop_megatron.training.write_errors import write_problem
+
+        problem = write_problem(err, out) if not isinstance(err, (KeyboardInterrupt, SystemExit)) else None
+        if problem is None:
+            raise
+        print(f"error: {problem}", file=sys.stderr, flush=True)  # e.g. no space left on device while writing ...
+        sys.exit(WRITE_FAILED)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from bebop_megatron import launcher
 from bebop_megatron.config import Config, ConfigError, parallel_sizes, to_yaml
 from bebop_megatron.data import (
     attention_mask,
@@ -45,7 +46,7 @@ from bebop_megatron.training.parallel import setup_parallel
 from bebop_megatron.training.precision import check_cpu_bf16
 from bebop_megatron.training.resume import agree_on_start
 from bebop_megatron.training.schedule import run_microbatches
-from bebop_megatron.training.signals import REQUEUE_EXIT_CODE, Preempted, PreemptionHandler
+from bebop_megatron.training.signals import Preempted, PreemptionHandler, stop_message
 
 
 @dataclass
@@ -421,10 +422,7 @@ class Trainer:
             path = self.save()
         if self.async_saver is not None:
             self.async_saver.close()
-        message = (
-            f"{self.preemption.received or 'preemption signal'}: checkpoint {path or '(none: save.dir is null)'} "
-            f"at step {self.step}; exiting with {REQUEUE_EXIT_CODE} so that the launcher requeues the job"
-        )
+        message = stop_message(self.preemption.received, path, self.step, launcher.gone())
         self.log(message)
         self.monitor.close()
         raise Preempted(message)

@@ -63,9 +63,12 @@ def test_ranks_stop_when_torchrun_is_killed(tmp_path):
         for pid in pids:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
-    stderr = (tmp_path / "err").read_text()
+    stderr, stdout = (tmp_path / "err").read_text(), (tmp_path / "out").read_text()
     # the first rank to notice stops both (they agree at the next step), maybe before the other notices
     assert f"] the launcher (pid {torchrun.pid}) is gone: stopping this rank" in stderr, stderr[-3000:]
+    # what happened, not an error (issue 26 item 23): no "error:" line, the last line names the launcher
+    assert not [line for line in stderr.splitlines() if line.startswith("error:")], stderr[-3000:]
+    assert f"the launcher (pid {torchrun.pid}) is gone" in stdout.strip().splitlines()[-1], stdout[-3000:]
     latest = (ckpt / "latest").read_text()
     assert (ckpt / latest / "metadata.json").exists() and not list(ckpt.glob("*.tmp"))
     assert not (ckpt / "run.lock").exists()
