@@ -56,3 +56,20 @@ def test_backend_setting():
     assert load_config().model.attention_backend == "sdpa"
     with pytest.raises(ConfigError, match="model.attention_backend='flash' must be one of sdpa, unfused"):
         load_config(overrides=["model.attention_backend=flash"])
+
+
+def test_document_starts_expand_to_the_segment_mask():
+    """The ``[B, S]`` starts expand to the former mask (same segment and causal), and the Gated
+    DeltaNet reads the same document starts from either form."""
+    import torch
+
+    from bebop_megatron.data.batches import attention_mask, dense_attention_mask, document_starts
+
+    seg = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [0, 0, 0, 0, 0, 1, 1, 1]])
+    starts = attention_mask(seg)
+    assert starts.shape == seg.shape and starts.dtype == torch.bool
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    former = ~((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+    assert torch.equal(dense_attention_mask(starts), former)
+    assert document_starts(starts) == document_starts(former) == [[0, 3, 5, 6], [0, 5]]
+    assert attention_mask(torch.tensor([[0, 0, 0, -1]])) is None  # one document: plain causal

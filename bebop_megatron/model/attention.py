@@ -89,15 +89,13 @@ class _SDPAForward:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, **kwargs)
         if attention_mask.dim() == 4:  # a caller's own [B or 1, 1, sq, sk] mask (True = masked): S^2
             return F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, **kwargs)
+        # Document starts of packed rows: causal attention within each document, as in the
+        # [B, 1, S, S] mask they expand to; each document runs alone through the fused kernel.
         rows = []
         for r, starts in enumerate(document_starts(attention_mask)):
-            if len(starts) == 1:
-                rows.append(F.scaled_dot_product_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], is_causal=causal,
-                                                           **kwargs))
-                continue
             ends = starts[1:] + [q.shape[2]]
             rows.append(torch.cat([F.scaled_dot_product_attention(
-                q[r:r + 1, :, s:e], k[r:r + 1, :, s:e], v[r:r + 1, :, s:e], is_causal=causal, **kwargs)
+                q[r:r + 1, :, s:e], k[r:r + 1, :, s:e], v[r:r + 1, :, s:e], is_causal=True, **kwargs)
                 for s, e in zip(starts, ends)], dim=2))
         return torch.cat(rows, dim=0)
 
