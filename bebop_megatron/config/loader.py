@@ -152,6 +152,7 @@ def validate(cfg: Config) -> None:
     _choice(cfg.precision, "precision", ("fp32", "bf16", "fp8"))
     _choice(m.family, "model.family", ("dense", "moe"))
     _choice(m.transformer_impl, "model.transformer_impl", ("auto", "local", "transformer_engine"))
+    _choice(m.attention_backend, "model.attention_backend", ("sdpa", "unfused"))
     _choice(m.moe_token_dispatcher_type, "model.moe_token_dispatcher_type", ("alltoall", "allgather"))
     _choice(cfg.loss.type, "loss.type", LOSS_TYPES)
     if not cfg.loss.lk_eta > 0 or cfg.loss.lk_eta == float("inf"):

@@ -125,6 +125,11 @@ class ModelConfig:
     """Multiply the shared expert's output by ``sigmoid(x @ w)`` (Qwen3-Next / Qwen3.5-MoE)."""
     transformer_impl: str = "auto"
     """``auto`` (Transformer Engine when importable on CUDA, else local), ``local`` or ``transformer_engine``."""
+    attention_backend: str = "sdpa"
+    """Core attention of the local layers: ``sdpa`` (torch's fused ``scaled_dot_product_attention``:
+    flash kernels on CUDA and CPU, memory linear in the sequence; packed rows run each document
+    alone) or ``unfused`` (Megatron-Core's ``DotProductAttention``: ``S x S`` scores and mask per
+    head, the reference). Same weights and checkpoints; ignored by Transformer Engine layers."""
     freeze_backbone: bool = True
     """Freeze embedding, decoder, final norm and output layer (the method). ``false`` trains
     the whole model on the same loss; only for comparisons (benchmarks, memory tests)."""
@@ -283,7 +288,8 @@ class TrainConfig:
     (``latest``; if it is missing or names no complete checkpoint, the newest complete
     ``iter_N``, with a notice). The saved ``config.yaml`` is compared first: a changed field
     that defines the model, the backbone or the data is refused (``model.*`` and ``mtp.*``
-    except ``model.transformer_impl`` and ``mtp.init``; ``precision`` except bf16<->fp8;
+    except ``model.transformer_impl``, ``model.attention_backend`` and ``mtp.init``; ``precision``
+    except bf16<->fp8;
     ``train.seq_length``; ``data.train_files/tokenizer/train_on/pack/overlong/num_samples/
     markov_branching/markov_min_branching/seed``; ``train.seed`` with a random backbone;
     ``parallel.distributed_optimizer`` (its optimizer state is saved in another format); so is

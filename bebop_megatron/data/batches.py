@@ -103,12 +103,41 @@ def eval_batches(
 
 
 def attention_mask(segment_ids_BS: torch.Tensor) -> torch.Tensor | None:
-    """Megatron's boolean attention mask ``[B, 1, S, S]`` (True = masked) for packed rows:
-    causal and within the document (padding, segment -1, attends to padding). None when no
-    row holds more than one document: then the plain causal mask is the same."""
+    """The attention of packed rows in O(S) memory: ``[B, S]`` bool, True where a document
+    starts (position 0, every change of segment id, the padding after the last document).
+    Attention is causal within each document (padding attends to padding). None when no row
+    holds more than one document: then plain causal attention is the same.
+
+    Both core attentions take it (``model/attention.py``): ``sdpa`` runs each document alone,
+    ``unfused`` expands it to Megatron's ``[B, 1, S, S]`` mask (:func:`dense_attention_mask`).
+    Segments are contiguous runs in every row the data pipeline builds."""
     if not bool((segment_ids_BS > 0).any()):
         return None
-    S = segment_ids_BS.shape[1]
-    causal_SS = torch.ones(S, S, dtype=torch.bool).tril_()
-    same_BSS = segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :]
+    starts_BS = torch.ones_like(segment_ids_BS, dtype=torch.bool)
+    starts_BS[:, 1:] = segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]
+    return starts_BS
+
+
+def dense_attention_mask(starts_BS: torch.Tensor) -> torch.Tensor:
+    """Megatron's boolean attention mask ``[B, 1, S, S]`` (True = masked) of
+    :func:`attention_mask`'s document starts: causal and within the document (S^2 memory)."""
+    S = starts_BS.shape[1]
+    document_BS = starts_BS.long().cumsum(dim=1)
+    causal_SS = torch.ones(S, S, dtype=torch.bool, device=starts_BS.device).tril_()
+    same_BSS = document_BS[:, :, None] == document_BS[:, None, :]
     return ~(same_BSS & causal_SS)[:, None]
+
+
+def document_starts(mask: torch.Tensor) -> list[list[int]]:
+    """Per row, the positions where a document starts, from :func:`attention_mask`'s ``[B, S]``
+    starts or from a ``[B, 1, S, S]`` mask (position i cannot attend to i - 1). Read once per
+    mask (one host sync per micro-batch, shared by all layers)."""
+    cached = getattr(mask, "_bebop_document_starts", None)
+    if cached is None:
+        if mask.dim() == 2:
+            cut_BS = mask[:, 1:]  # [b, i] = a document starts at i + 1
+        else:
+            cut_BS = mask[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)  # [b, i] = mask[b, i + 1, i]
+        cached = [[0] + [i + 1 for i in row.nonzero().flatten().tolist()] for row in cut_BS]
+        mask._bebop_document_starts = cached
+    return cached

@@ -255,19 +255,19 @@ def build_model(cfg: Config, device: str, pg_collection=None) -> MTPGPTModel:
     use_te = use_transformer_engine(cfg, device)
     tconfig = transformer_config(cfg, device, use_te)
     num_experts = cfg.model.num_experts if cfg.model.family == "moe" else None
-    mla = cfg.model.multi_latent_attention
+    mla, attn = cfg.model.multi_latent_attention, cfg.model.attention_backend
     if has_linear_attention(cfg.model):
-        layer = hybrid.mtp_layer_spec(num_experts)
-        block = hybrid.decoder_block_spec(tconfig, list(cfg.model.layer_types), num_experts)
+        layer = hybrid.mtp_layer_spec(num_experts, attn)
+        block = hybrid.decoder_block_spec(tconfig, list(cfg.model.layer_types), num_experts, attn)
     else:
-        layer = specs.layer_spec(num_experts, cfg.model.qk_layernorm, use_te, mla)
+        layer = specs.layer_spec(num_experts, cfg.model.qk_layernorm, use_te, mla, attn)
         block = None
     mtp_spec = specs.mtp_block_spec(tconfig, layer, use_te)
     if mtp_spec is not None and cfg.mtp.next_step_input == "pre_norm":
         mtp_spec = dataclasses.replace(mtp_spec, layer_specs=[
             dataclasses.replace(spec, module=PreNormChainMTPLayer) for spec in mtp_spec.layer_specs])
     num_dense = cfg.model.moe_first_dense_layers if num_experts else 0
-    dense = specs.layer_spec(None, cfg.model.qk_layernorm, use_te, mla) if num_dense else None
+    dense = specs.layer_spec(None, cfg.model.qk_layernorm, use_te, mla, attn) if num_dense else None
     model = MTPGPTModel(
         config=tconfig,
         transformer_layer_spec=block or specs.decoder_block_spec(tconfig, layer, use_te, dense, num_dense),

@@ -23,6 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from bebop_megatron.data.batches import document_starts
 from bebop_megatron.model.norms import HeadNorm, SPAwareNorm
 from bebop_megatron.model.specs import LocalSPSpecProvider, local_layer_spec
 
@@ -34,31 +35,21 @@ class PackedGatedDeltaNet(GatedDeltaNet):
 
     The torch path takes no ``cu_seqlens``: run on a packed row, the convolution and the
     recurrent state would carry one document into the next. Given the per-document attention
-    mask of packed rows (``[B, 1, S, S]``, True = masked; ``data/batches.py``), each document of
-    each row runs alone, exactly as it would in a row of its own; without a mask (no row holds
-    two documents) the whole batch runs at once. The documents' starts are read once per mask
-    (one host sync per micro-batch, shared by all layers). Needs the whole sequence on each
+    mask of packed rows (``[B, S]`` document starts, or a ``[B, 1, S, S]`` mask; ``data/batches.py``),
+    each document of each row runs alone, exactly as it would in a row of its own; without a mask
+    (no row holds two documents) the whole batch runs at once. The documents' starts are read once
+    per mask (one host sync per micro-batch, shared by all layers). Needs the whole sequence on each
     rank, so not with sequence parallelism (the config refuses that combination)."""
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         if attention_mask is None:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         outputs = []
-        for b, starts in enumerate(_document_starts(attention_mask)):
+        for b, starts in enumerate(document_starts(attention_mask)):
             ends = starts[1:] + [hidden_states.shape[0]]
             outputs.append(torch.cat([super(PackedGatedDeltaNet, self).forward(
                 hidden_states[s:e, b:b + 1], None, *args, **kwargs)[0] for s, e in zip(starts, ends)]))
         return torch.cat(outputs, dim=1), None
-
-
-def _document_starts(mask_B1SS: torch.Tensor) -> list[list[int]]:
-    """Per row, the positions where a document starts (position i cannot attend to i - 1)."""
-    cached = getattr(mask_B1SS, "_bebop_document_starts", None)
-    if cached is None:
-        cut_BS = mask_B1SS[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)  # [b, i] = mask[b, i + 1, i]
-        cached = [[0] + [i + 1 for i in row.nonzero().flatten().tolist()] for row in cut_BS]
-        mask_B1SS._bebop_document_starts = cached
-    return cached
 
 
 def gated_delta_net_spec() -> ModuleSpec:
@@ -70,9 +61,9 @@ def gated_delta_net_spec() -> ModuleSpec:
         in_proj=backend.column_parallel_linear(), out_norm=HeadNorm, out_proj=backend.row_parallel_linear()))
 
 
-def layer_spec(layer_type: str, num_experts: int | None) -> ModuleSpec:
+def layer_spec(layer_type: str, num_experts: int | None, attention_backend: str = "sdpa") -> ModuleSpec:
     """The local ``TransformerLayer`` of one layer type (gated attention comes from the config)."""
-    attention = local_layer_spec(num_experts, qk_layernorm=True)
+    attention = local_layer_spec(num_experts, qk_layernorm=True, attention_backend=attention_backend)
     if layer_type == "full_attention":
         return attention
     sub = attention.submodules
@@ -83,13 +74,15 @@ def layer_spec(layer_type: str, num_experts: int | None) -> ModuleSpec:
         sub, self_attention=gated_delta_net_spec(), sharded_state_dict_keys_map=keys_map))
 
 
-def decoder_block_spec(config, layer_types: list[str], num_experts: int | None) -> TransformerBlockSubmodules:
+def decoder_block_spec(config, layer_types: list[str], num_experts: int | None,
+                       attention_backend: str = "sdpa") -> TransformerBlockSubmodules:
     """This pipeline stage's layers, each from its ``layer_types`` entry; SP-aware final norm."""
     offset = get_transformer_layer_offset(config)
-    layers = [layer_spec(layer_types[offset + i], num_experts) for i in range(get_num_layers_to_build(config))]
+    layers = [layer_spec(layer_types[offset + i], num_experts, attention_backend)
+              for i in range(get_num_layers_to_build(config))]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SPAwareNorm)
 
 
-def mtp_layer_spec(num_experts: int | None) -> ModuleSpec:
+def mtp_layer_spec(num_experts: int | None, attention_backend: str = "sdpa") -> ModuleSpec:
     """The MTP block's decoder layer: a full (gated) attention layer with the family's MLP."""
-    return layer_spec("full_attention", num_experts)
+    return layer_spec("full_attention", num_experts, attention_backend)

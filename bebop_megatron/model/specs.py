@@ -8,7 +8,8 @@ reuses the family's layer spec (``get_gpt_mtp_block_spec``), so an MoE model get
 expert-parallel MoE MTP layers.
 
 Backends: ``local`` (Megatron-Core modules only, with an SP-aware torch norm; CPU and GPU)
-and ``transformer_engine`` (Megatron-Core's TE spec; needed for FP8).
+and ``transformer_engine`` (Megatron-Core's TE spec; needed for FP8). The local layers' core
+attention follows ``model.attention_backend`` (``sdpa`` or ``unfused``; ``model/attention.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from bebop_megatron.model.attention import MLADotProductAttention
+from bebop_megatron.model.attention import core_attention
 from bebop_megatron.model.norms import SPAwareNorm, qk_norm
 
 
@@ -45,7 +46,7 @@ class LocalSPSpecProvider(LocalSpecProvider):
         return qk_norm if for_qk else SPAwareNorm
 
 
-def local_layer_spec(num_experts: int | None, qk_layernorm: bool) -> ModuleSpec:
+def local_layer_spec(num_experts: int | None, qk_layernorm: bool, attention_backend: str = "sdpa") -> ModuleSpec:
     """The decoder layer of both families with Megatron-Core's local modules."""
     backend = LocalSPSpecProvider()
     return ModuleSpec(
@@ -57,7 +58,7 @@ def local_layer_spec(num_experts: int | None, qk_layernorm: bool) -> ModuleSpec:
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=backend.column_parallel_linear(),
-                    core_attention=backend.core_attention(),
+                    core_attention=core_attention(attention_backend),
                     linear_proj=backend.row_parallel_linear(),
                     q_layernorm=backend.layer_norm(for_qk=True) if qk_layernorm else IdentityOp,
                     k_layernorm=backend.layer_norm(for_qk=True) if qk_layernorm else IdentityOp,
@@ -78,11 +79,11 @@ def local_layer_spec(num_experts: int | None, qk_layernorm: bool) -> ModuleSpec:
     )
 
 
-def local_mla_layer_spec(num_experts: int | None, qk_layernorm: bool) -> ModuleSpec:
+def local_mla_layer_spec(num_experts: int | None, qk_layernorm: bool, attention_backend: str = "sdpa") -> ModuleSpec:
     """The MLA decoder layer (DeepSeek-V3) with Megatron-Core's local modules.
 
     Megatron's own local MLA spec, with three swaps: the core attention accepts MLA's
-    separate key and value head widths (:class:`MLADotProductAttention`), and the layer
+    separate key and value head widths (``model/attention.py``, either backend), and the layer
     norms and the query/key-value latent norms are the SP-aware norm (the latent norms act
     on sequence-parallel shards under SP, so their weights are tagged like the layer norms).
     """
@@ -91,7 +92,7 @@ def local_mla_layer_spec(num_experts: int | None, qk_layernorm: bool) -> ModuleS
     attn = sub.self_attention
     attn_sub = dataclasses.replace(
         attn.submodules,
-        core_attention=MLADotProductAttention,
+        core_attention=core_attention(attention_backend, mla=True),
         q_layernorm=SPAwareNorm if qk_layernorm else IdentityOp,
         kv_layernorm=SPAwareNorm if qk_layernorm else IdentityOp,
     )
@@ -116,15 +117,15 @@ def local_mla_layer_spec(num_experts: int | None, qk_layernorm: bool) -> ModuleS
 
 
 def layer_spec(num_experts: int | None, qk_layernorm: bool, use_te: bool,
-               multi_latent_attention: bool = False) -> ModuleSpec:
+               multi_latent_attention: bool = False, attention_backend: str = "sdpa") -> ModuleSpec:
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=num_experts is not None, qk_layernorm=qk_layernorm,
             multi_latent_attention=multi_latent_attention,
         )
     if multi_latent_attention:
-        return local_mla_layer_spec(num_experts, qk_layernorm)
-    return local_layer_spec(num_experts, qk_layernorm)
+        return local_mla_layer_spec(num_experts, qk_layernorm, attention_backend)
+    return local_layer_spec(num_experts, qk_layernorm, attention_backend)
 
 
 def decoder_block_spec(config, decoder_layer_spec: ModuleSpec, use_te: bool,

@@ -38,7 +38,7 @@ DATA_KEYS = ("train.seq_length", "data.train_files", "data.tokenizer", "data.tra
 SCHEDULE_KEYS = ("train.lr", "train.min_lr", "train.lr_schedule", "train.warmup_fraction", "train.weight_decay",
                  "train.steps")
 """Allowed: the LR / weight-decay schedule is rebuilt from them and applies from the resumed step."""
-ALLOWED_MODEL_KEYS = ("model.transformer_impl", "mtp.init")
+ALLOWED_MODEL_KEYS = ("model.transformer_impl", "model.attention_backend", "mtp.init")
 """How layers are implemented and how new MTP weights start: the checkpoint's weights replace them."""
 
 

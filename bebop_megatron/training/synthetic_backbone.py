@@ -43,7 +43,8 @@ FIT_WARMUP = 10
 FIT_SEED = 4321
 FIT_THREADS = 1  # fixed, so that the float sums (and the cached weights) do not depend on the machine
 DONE = "fit.json"  # written last: an entry without it is incomplete
-_NOT_IN_KEY = ("backbone_checkpoint", "init_checkpoint", "transformer_impl", "freeze_backbone", "backbone_init")
+_NOT_IN_KEY = ("backbone_checkpoint", "init_checkpoint", "transformer_impl", "attention_backend", "freeze_backbone",
+               "backbone_init")
 WRITE_FAILED = 74  # the fit's exit status when its checkpoint could not be written (EX_IOERR)
 _HINT = "set BEBOP_MEGATRON_CACHE to a writable directory with space, or use model.backbone_init=random"
 
@@ -229,7 +230,9 @@ def fit(cfg, out: str, log=print) -> dict:
     torch.set_num_threads(FIT_THREADS)
     torch.use_deterministic_algorithms(True, warn_only=True)
     fit_cfg = load_config(None, [
-        "device=cpu", "precision=fp32", "model.transformer_impl=local", "model.freeze_backbone=false",
+        # The attention the fit has always used: the cached weights do not depend on the run's backend.
+        "device=cpu", "precision=fp32", "model.transformer_impl=local", "model.attention_backend=unfused",
+        "model.freeze_backbone=false",
         "model.backbone_checkpoint=null", "model.init_checkpoint=null", "mtp.num_layers=1", "mtp.num_steps=1",
         "parallel.tensor=1", "parallel.pipeline=1", "parallel.pipeline_layout=null", "parallel.expert=1",
         "parallel.expert_tensor=null", "parallel.context=1", "parallel.sequence_parallel=false",

@@ -2,7 +2,9 @@
 
 The objective is the e2e TV loss (vocabulary-parallel under TP, sequence-parallel hidden
 states under SP); one layout repeats TP+SP with the CE objective, two run the MTP chain with
-``mtp.next_step_input=pre_norm`` (TP+SP, and a standalone MTP pipeline stage). The Qwen3.5 /
+``mtp.next_step_input=pre_norm`` (TP+SP, and a standalone MTP pipeline stage); one runs TP+SP
+with the fused SDPA attention (``model.attention_backend=sdpa``, the default of every other
+run) against the unfused Megatron attention on one rank. The Qwen3.5 /
 Qwen3-Next hybrid (Gated DeltaNet layers, gated attention) runs at PP=2 and, as MoE, EP=2 (TP=2 with SP
 of its Gated DeltaNet layers is checked on the imported models' logits, tests/test_convert_import.py).
 
@@ -40,6 +42,7 @@ FAMILIES = {
     "dense": ["model.qk_layernorm=true"],
     "dense_ce": ["model.qk_layernorm=true", "loss.type=ce"],
     "dense_pre_norm": ["model.qk_layernorm=true", "mtp.next_step_input=pre_norm"],
+    "dense_unfused": ["model.qk_layernorm=true", "model.attention_backend=unfused"],
     "moe": [
         "model.family=moe", "model.num_experts=4", "model.moe_router_topk=2", "model.add_qkv_bias=true",
         "model.ffn_hidden_size=64", "model.moe_shared_expert_intermediate_size=64",
@@ -57,6 +60,9 @@ LAYOUTS = {
     "tp2": ("dense", ["parallel.tensor=2"], "backbone_checkpoint"),
     "tp2_sp": ("dense", ["parallel.tensor=2", "parallel.sequence_parallel=true"], "init_checkpoint"),
     "tp2_sp_ce": ("dense_ce", ["parallel.tensor=2", "parallel.sequence_parallel=true"], "init_checkpoint"),
+    "tp2_sp_sdpa_vs_unfused": (
+        "dense_unfused", ["parallel.tensor=2", "parallel.sequence_parallel=true", "model.attention_backend=sdpa"],
+        "init_checkpoint"),
     "pp2": ("dense", ["parallel.pipeline=2"], "init_checkpoint"),
     "pp2_standalone_mtp": ("dense", ["parallel.pipeline=2", "parallel.pipeline_layout=Et*4|m*3L"], "init_checkpoint"),
     "tp2_sp_pre_norm": ("dense_pre_norm", ["parallel.tensor=2", "parallel.sequence_parallel=true"], "init_checkpoint"),
