@@ -35,4 +35,8 @@ def test_run_all_dry_run(tmp_path):
     assert metrics[("bench_train_step", "tokens_per_s")] > 0
     assert metrics[("bench_train_step", "peak_mem_gib")] > 0
     assert math.isnan(metrics[("bench_train_step", "mfu")])  # no peak FLOP/s known for a CPU
+    # the step's before/after variants, one run: the unfused attention at micro-batch 1, SDPA at 2
+    step = {r["params"].split("micro_batch=")[1].split()[0] + "/" + r["params"].split("attention=")[1]
+            for r in rows if r["benchmark"] == "bench_train_step" and r["metric"] == "tokens_per_s"}
+    assert step == {"1/unfused", "2/sdpa"}, step
     assert all(r["machine"].endswith("; cpu)") for r in rows)
