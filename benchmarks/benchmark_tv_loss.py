@@ -31,7 +31,8 @@ logits ``[K T, H] x [H, V]`` and the gradient ``[K T, V] x [V, H]``, plain ``tor
 on the full tensors). Per implementation: median time of forward + backward, peak extra
 memory (CUDA: ``max_memory_allocated`` over the step minus the allocation before it; CPU:
 sampled RSS) and time / GEMM time. The GPU script runs it at K=3, T=8192, H=4096,
-V=151,936, bf16 (``benchmarks/gpu/run_all.sh``)::
+V=151,936, bf16 (``benchmarks/gpu/run_all.sh``, with ``--profile``: the share of each step's
+kernel time in GEMMs, Triton kernels, reductions and elementwise work, ``loss_profile.py``)::
 
     python benchmarks/benchmark_tv_loss.py --impls torch,triton --device cuda --dtype bf16 \
         --tokens 8192 --hidden 4096
@@ -91,6 +92,8 @@ def main() -> None:
     p.add_argument("--impls", default="", help="e.g. torch,triton: compare the fused loss's implementations")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--impls only")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="--impls only")
+    p.add_argument("--profile", action="store_true",
+                   help="--impls only: one more step each under torch.profiler, time by group (loss_profile.py)")
     p.add_argument("--worker", choices=("fused", "naive"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.impls:

@@ -70,6 +70,13 @@ def compare_impls(args) -> None:
             res[name] |= {"loss": float(out.detach()), "grad": draft.grad.float().clone()}
         del out
 
+    profiles = {}
+    if getattr(args, "profile", False):  # one more step each, under the profiler
+        from loss_profile import profile_step, report
+
+        for name, fn in variants.items():
+            profiles[name] = profile_step(torch, fn, cuda)
+
     gemm_ms = res["gemm"]["ms"]
     label = device_label(device)
     print(f"K={K} T={T} H={H} V={weight.shape[0]} {args.dtype} chunk_tokens={args.chunk_tokens} device={label} "
@@ -83,6 +90,8 @@ def compare_impls(args) -> None:
     for name in impls:
         metrics |= {f"{name}_ms": res[name]["ms"], f"{name}_mem_mb": res[name]["mem_mb"],
                     f"{name}_over_gemm": res[name]["ms"] / gemm_ms}
+    for name, (per_group, ops) in profiles.items():
+        metrics |= report(name, per_group, ops)
     if K * T * weight.shape[0] <= 2**24:  # small enough for the float64 formula (the dry run's size)
         ref = float(naive_loss(*(t.detach().double() for t in (draft, backbone, weight)), valid))
         for name in impls:

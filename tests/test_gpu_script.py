@@ -32,6 +32,9 @@ def test_run_all_dry_run(tmp_path):
     metrics = {(r["benchmark"], r["metric"]): float(r["value"]) for r in rows if r["metric"] != "note"}
     assert metrics[("benchmark_tv_loss_impls", "torch_loss_abs_diff_float64")] < 1e-2  # bf16 inputs
     assert metrics[("benchmark_tv_loss_impls", "torch_ms")] > 0 < metrics[("benchmark_tv_loss_impls", "gemm_ms")]
+    # the profile groups each step's time: the GEMM-only variant is GEMMs; the loss has GEMMs and more
+    assert metrics[("benchmark_tv_loss_impls", "gemm_prof_gemm_share")] > 0.5
+    assert 0 < metrics[("benchmark_tv_loss_impls", "torch_prof_gemm_share")] < 1
     assert metrics[("bench_train_step", "tokens_per_s")] > 0
     assert metrics[("bench_train_step", "peak_mem_gib")] > 0
     assert math.isnan(metrics[("bench_train_step", "mfu")])  # no peak FLOP/s known for a CPU
