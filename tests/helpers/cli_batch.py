@@ -1,6 +1,7 @@
 """Run several invocations of the conversion tools in one Python process.
 
     python tests/helpers/cli_batch.py calls.json results.json
+    torchrun --nproc_per_node 2 tests/helpers/cli_batch.py calls.json results.json
 
 A tiny conversion takes well under a second; importing torch, Megatron-Core and transformers
 takes several. Tests that need many invocations therefore run them here, one after the other,
@@ -11,13 +12,17 @@ with its stdout, stderr and exit status recorded separately.
 ``record_mtp`` (argv ``SRC DST KEY=VALUE...``) copies a model checkpoint and sets ``mtp``
 fields of its ``bebop_model.yaml`` (e.g. ``next_step_input=pre_norm``: heads trained that way);
 ``results.json``: ``[{"returncode": int, "stdout": str, "stderr": str}, ...]`` in the same order.
-From a test: :func:`run_batch`.
+A tool is looked up in ``tools/``, then ``examples/`` (``pretrain_mtp``: its ``main()`` reads
+``sys.argv``, which is set to the call's argv). Under torchrun (``run_batch(..., nproc=2)``)
+every rank makes every call, as each rank of a launched tool would; rank 0's results are
+returned. From a test: :func:`run_batch`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -29,7 +34,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    path = REPO / "tools" / f"{name}.py"
+    if not path.exists():
+        path = REPO / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -42,7 +50,14 @@ def _call(tool, argv: list[str]) -> dict:
     code = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            run_cli(lambda: tool.main(argv))
+            if inspect.signature(tool.main).parameters:
+                run_cli(lambda: tool.main(argv))
+            else:  # examples/pretrain_mtp.py: main() parses sys.argv
+                saved, sys.argv = sys.argv, [tool.__file__, *argv]
+                try:
+                    run_cli(tool.main)
+                finally:
+                    sys.argv = saved
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
         except Exception as exc:  # an unexpected traceback: the test shows it
@@ -68,15 +83,21 @@ def record_mtp(argv: list[str]) -> dict:
     return {"returncode": 0, "stdout": "", "stderr": ""}
 
 
-def run_batch(calls: list[dict], workdir: Path, timeout: int = 600) -> list[subprocess.CompletedProcess]:
-    """Run ``calls`` in one subprocess; one ``CompletedProcess``-like result per call."""
+def run_batch(calls: list[dict], workdir: Path, timeout: int = 600,
+              nproc: int = 1) -> list[subprocess.CompletedProcess]:
+    """Run ``calls`` in one subprocess (``nproc`` > 1: one torchrun launch of that many CPU
+    ranks); one ``CompletedProcess``-like result per call (rank 0's)."""
     workdir.mkdir(parents=True, exist_ok=True)
     calls_file, results_file = workdir / "calls.json", workdir / "results.json"
     calls_file.write_text(json.dumps(calls))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, __file__, str(calls_file), str(results_file)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    from tests.helpers.launch import _free_port
+
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                                      "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    proc = subprocess.run([sys.executable, *launcher, __file__, str(calls_file), str(results_file)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(results_file.read_text())
     return [subprocess.CompletedProcess(c["argv"], r["returncode"], r["stdout"], r["stderr"])
@@ -95,7 +116,8 @@ def main() -> None:
         if call["tool"] not in tools:
             tools[call["tool"]] = _tool(call["tool"])
         results.append(_call(tools[call["tool"]], call["argv"]))
-    Path(sys.argv[2]).write_text(json.dumps(results))
+    rank = int(os.environ.get("RANK", "0"))
+    Path(sys.argv[2] + (f".rank{rank}" if rank else "")).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
