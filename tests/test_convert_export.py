@@ -21,15 +21,14 @@ transformers' classes, are imported with ``tools/convert_from_hf.py``. Checked:
 - unsupported format/target combinations and missing inputs: one clear error line.
 
 The conversions and exports that need no multi-rank run execute in one process (the
-``batch`` fixture, tests/helpers/cli_batch.py), each exactly as the tool's command line.
+``batch`` fixture, tests/helpers/cli_batch.py), each exactly as the tool's command line; those
+of the checkpoints written by multi-rank runs in a second one (the ``launched`` fixture).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -39,7 +38,6 @@ from tests.helpers.convert_models import make_hf_model
 from tests.helpers.handoff_checks import failed_at_step_2
 from tests.helpers.launch import REPO, run_script
 
-EXPORT_CLI = str(REPO / "tools" / "convert_to_hf.py")
 QWEN2_LAYER = [
     "input_layernorm.weight", "post_attention_layernorm.weight",
     "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight", "self_attn.k_proj.bias",
@@ -75,19 +73,6 @@ GLM_EXPECTED = {  # vLLM: absolute index N=2 with the head/embedding copies; SGL
     ("sglang", True): {f"model.layers.0.{n}" for n in GLM_MOE + NEXTN},
 }
 EXPECTED = {"mimo": MIMO_EXPECTED, "glm4_moe": GLM_EXPECTED}
-
-def export(args: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, EXPORT_CLI, "--no-progress", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
-def exported(args: list[str]) -> subprocess.CompletedProcess:
-    proc = export(args)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
 
 def ok(proc) -> subprocess.CompletedProcess:
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
@@ -258,15 +243,50 @@ GLM_RESHARD = ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_pa
                "parallel.expert_tensor=1"]
 
 
-def test_export_from_pp2_tp2_equals_tp1(batch, tmp_path):
-    root, results = batch
-    resaved = tmp_path / "resaved"
+@pytest.fixture(scope="module")
+def launched(batch, tmp_path_factory):
+    """The checkpoints that need multi-rank runs, then every export and decode of them in one
+    process (tests/helpers/cli_batch.py). Returns ``(tmp, results)``:
+
+    - ``resaved``: the GLM checkpoint re-saved at PP=2 x TP=2 with SP and EP=2 (4 ranks);
+    - ``run``: the user's path, training on the imported MiMo backbone at TP=2 (2 ranks), the
+      MTP-only training checkpoint exported with and without ``--backbone``, and
+      ``tools/speculative_generate.py`` on it and on its full export."""
+    root = batch[0]
+    mimo, tmp = root / "mimo", tmp_path_factory.mktemp("launched")
+    resaved, save = tmp / "resaved", tmp / "run"
     run_script("convert_reshard_case.py", ["--ckpt", str(root / "glm" / "megatron"), "--out", str(resaved),
                                            *GLM_RESHARD], 4)
-    exported(["--checkpoint", str(resaved), "--format", "glm4_moe", "--target", "vllm", "--out",
-              str(tmp_path / "pp2tp2"), "--no-verify"])
+    run_script(str(REPO / "examples" / "pretrain_mtp.py"), [
+        "--config", str(mimo / "megatron" / "bebop_model.yaml"), "device=cpu", "parallel.tensor=2",
+        f"model.init_checkpoint={mimo / 'megatron'}", "train.steps=2", "train.micro_batch_size=2",
+        "train.global_batch_size=2", "train.seq_length=16", "train.lr=1e-2", f"save.dir={save}",
+        "data.num_samples=16", "mtp.num_steps=2"], 2)  # the one MTP layer repeated for 2 steps
+    spec = ["--prompts", str(REPO / "examples" / "data" / "tiny_valid.jsonl"), "--limit", "2", "--gamma", "2",
+            "--max-new-tokens", "10", "--seed", "3"]
+    calls = {
+        "pp2tp2": ("convert_to_hf", ["--checkpoint", str(resaved), "--format", "glm4_moe", "--target", "vllm",
+                                     "--out", str(tmp / "pp2tp2"), "--no-verify"]),
+        "no_backbone": ("convert_to_hf", ["--checkpoint", str(save), "--format", "mimo", "--target", "vllm",
+                                          "--out", str(tmp / "o")]),
+        "mtp_only": ("convert_to_hf", ["--checkpoint", str(save), "--backbone", str(mimo / "megatron"), "--format",
+                                       "mimo", "--target", "vllm", "--mtp-only", "--out", str(tmp / "o")]),
+        "full": ("convert_to_hf", ["--checkpoint", str(save), "--backbone", str(mimo / "megatron"), "--format",
+                                   "mimo", "--target", "sglang", "--no-verify", "--out", str(tmp / "full")]),
+        "decode_ckpt": ("speculative_generate", ["--checkpoint", str(save), *spec, "--json", str(tmp / "a")]),
+        "decode_full": ("speculative_generate", ["--checkpoint", str(tmp / "full"), *spec, "--json", str(tmp / "b")]),
+        "decode_mtp_only": ("speculative_generate", ["--checkpoint", str(tmp / "o"), *spec]),
+    }
+    results = run_batch([{"tool": tool, "argv": (["--no-progress"] if tool == "convert_to_hf" else []) + argv}
+                         for tool, argv in calls.values()], tmp / "batch")
+    return tmp, dict(zip(calls, results))
+
+
+def test_export_from_pp2_tp2_equals_tp1(batch, launched):
+    (root, results), (tmp, exports) = batch, launched
+    ok(exports["pp2tp2"])
     ok(results["glm4_moe/round_trip"])  # the same export from the TP=1 checkpoint
-    ref, got = load_dir(root / "out" / "glm4_moe_round_trip"), load_dir(tmp_path / "pp2tp2")
+    ref, got = load_dir(root / "out" / "glm4_moe_round_trip"), load_dir(tmp / "pp2tp2")
     assert set(ref) == set(got)
     for name in ref:
         assert torch.equal(ref[name], got[name]), name
@@ -284,23 +304,16 @@ def test_errors(batch):
     assert "--format mimo needs a Qwen2-shaped dense model" in _error_line(results["qwen3/mimo"])
 
 
-def test_export_from_training_checkpoint(batch, tmp_path):
+def test_export_from_training_checkpoint(batch, launched):
     """The user's path: train on the imported backbone at TP=2 (2 ranks), export the MTP-only
     training checkpoint with ``--backbone``; verified, and the MTP weights did change."""
-    mimo = batch[0] / "mimo"
-    save = tmp_path / "run"
-    run_script(str(REPO / "examples" / "pretrain_mtp.py"), [
-        "--config", str(mimo / "megatron" / "bebop_model.yaml"), "device=cpu", "parallel.tensor=2",
-        f"model.init_checkpoint={mimo / 'megatron'}", "train.steps=2", "train.micro_batch_size=2",
-        "train.global_batch_size=2", "train.seq_length=16", "train.lr=1e-2", f"save.dir={save}",
-        "data.num_samples=16", "mtp.num_steps=2"], 2)  # the one MTP layer repeated for 2 steps
-    line = _error_line(export(["--checkpoint", str(save), "--format", "mimo", "--target", "vllm",
-                               "--out", str(tmp_path / "o")]))
+    mimo, (tmp, results) = batch[0] / "mimo", launched
+    save = tmp / "run"
+    line = _error_line(results["no_backbone"])
     assert "holds only MTP weights" in line
-    proc = exported(["--checkpoint", str(save), "--backbone", str(mimo / "megatron"), "--format", "mimo",
-                     "--target", "vllm", "--mtp-only", "--out", str(tmp_path / "o")])
+    proc = ok(results["mtp_only"])
     assert "max_diff_mtp1" in proc.stdout
-    trained, source = load_dir(tmp_path / "o"), load_dir(mimo / "hf")
+    trained, source = load_dir(tmp / "o"), load_dir(mimo / "hf")
     assert not torch.equal(trained["model.mtp_layers.0.input_proj.weight"],
                            source["model.mtp_layers.0.input_proj.weight"])
     assert torch.equal(trained["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
@@ -317,26 +330,14 @@ def test_export_from_training_checkpoint(batch, tmp_path):
 
     # tools/speculative_generate.py on the full export (imported in memory) decodes exactly as on
     # the training checkpoint: same texts, same accepted counts; the --mtp-only export is refused.
-    spec = ["--prompts", str(REPO / "examples" / "data" / "tiny_valid.jsonl"), "--limit", "2", "--gamma", "2",
-            "--max-new-tokens", "10", "--seed", "3"]
-    full = tmp_path / "full"
-    calls = [
-        {"tool": "convert_to_hf", "argv": ["--checkpoint", str(save), "--backbone", str(mimo / "megatron"),
-                                           "--format", "mimo", "--target", "sglang", "--no-verify", "--no-progress",
-                                           "--out", str(full)]},
-        {"tool": "speculative_generate", "argv": ["--checkpoint", str(save), *spec, "--json", str(tmp_path / "a")]},
-        {"tool": "speculative_generate", "argv": ["--checkpoint", str(full), *spec, "--json", str(tmp_path / "b")]},
-        {"tool": "speculative_generate", "argv": ["--checkpoint", str(tmp_path / "o"), *spec]},
-    ]
-    results = run_batch(calls, tmp_path / "batch")
-    for r in results[:3]:
-        ok(r)
-    from_ckpt, from_export = (json.loads((tmp_path / name).read_text()) for name in ("a", "b"))
+    for name in ("full", "decode_ckpt", "decode_full"):
+        ok(results[name])
+    from_ckpt, from_export = (json.loads((tmp / name).read_text()) for name in ("a", "b"))
     assert from_export["texts"] == from_ckpt["texts"] and from_ckpt["new_tokens"] > 0
     assert from_export["per_position"] == from_ckpt["per_position"]
     assert from_export["measured_accept_len"] == from_ckpt["measured_accept_len"]
     assert from_export["predicted_accept_len"] == pytest.approx(from_ckpt["predicted_accept_len"], abs=1e-5)
-    line = _error_line(results[3])
+    line = _error_line(results["decode_mtp_only"])
     assert "holds no backbone layers" in line and "--mtp-only" in line
 
 

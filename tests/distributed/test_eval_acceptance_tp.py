@@ -1,6 +1,10 @@
 """``tools/eval_acceptance.py`` under torchrun on 2 gloo ranks equals the single-process report:
 TP=2 (vocabulary-parallel statistics, same simulated chains) and TP=1 x DP=2 (rows split
-over the ranks, sums reduced over the data-parallel group)."""
+over the ranks, sums reduced over the data-parallel group).
+
+The tiny checkpoint is trained as tests/test_eval_acceptance.py trains it, in the process that
+then writes the single-process report; both 2-rank reports come from one launch
+(tests/helpers/cli_batch.py: each call exactly as the tool's command line)."""
 
 from __future__ import annotations
 
@@ -8,8 +12,8 @@ import json
 
 import pytest
 
-from tests.helpers.launch import run_script
-from tests.test_eval_acceptance import TOOL, VALID, train_tiny_checkpoint
+from tests.helpers.cli_batch import run_batch
+from tests.test_eval_acceptance import VALID
 
 ANALYTIC = ("alpha_rs", "alpha_to", "top1", "entropy_target", "entropy_draft", "kl", "count", "accept_len_rs",
             "accept_len_to", "rs_win_fraction")
@@ -20,13 +24,20 @@ COMMON = ["--data", str(VALID), "--temperatures", "0.7", "1.0", "--max-rows", "1
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_tp")
-    ckpt = train_tiny_checkpoint(root / "run")
-    out = {}
-    for name, nproc, tp in (("single", 1, 1), ("tp2", 2, 2), ("dp2", 2, 1)):
-        run_script(str(TOOL), ["--checkpoint", str(ckpt), "--out-dir", str(root / name), "--tensor-parallel", str(tp),
-                               *COMMON], nproc=nproc)
-        out[name] = json.loads((root / name / "report.json").read_text())
-    return out
+    ckpt = root / "run"
+
+    def report(name, tp):
+        return {"tool": "eval_acceptance", "argv": ["--checkpoint", str(ckpt), "--out-dir", str(root / name),
+                                                    "--tensor-parallel", str(tp), *COMMON]}
+
+    # tests/test_eval_acceptance.py's train_tiny_checkpoint: a random backbone, 3 steps
+    train = {"tool": "pretrain_mtp", "argv": ["parallel.tensor=1", "train.steps=3", f"save.dir={ckpt}",
+                                              "model.backbone_init=random"]}
+    results = run_batch([train, report("single", 1)], root / "single")
+    results += run_batch([report("tp2", 2), report("dp2", 1)], root / "two_ranks", nproc=2)
+    for result in results:
+        assert result.returncode == 0, (result.args, result.stderr[-3000:])
+    return {name: json.loads((root / name / "report.json").read_text()) for name in ("single", "tp2", "dp2")}
 
 
 def close(a, b, tol=1e-4):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -16,29 +15,45 @@ BASE = [
 ]
 
 
-def train(tmp_path, name: str, overrides: list[str], save_model=None) -> list[dict]:
-    out = tmp_path / f"{name}.json"
-    args = ["--out", str(out)] + (["--save-model", str(save_model)] if save_model else [])
-    run_script("train_and_record.py", args + BASE + overrides, nproc=2)
-    return json.loads(out.read_text())
+def train_all(tmp, runs: list[tuple[str, list[str], dict]]) -> dict[str, list[dict]]:
+    """``(name, overrides, options)`` runs, one after the other in one 2-rank launch
+    (tests/helpers/train_and_record.py --cases: each a new Trainer, as a new job would be);
+    options: ``save_model`` (write the initial model there), ``before`` (file operations first)."""
+    cases = [{"out": str(tmp / f"{name}.json"), "overrides": BASE + overrides, **options}
+             for name, overrides, options in runs]
+    spec = tmp / "cases.json"
+    spec.write_text(json.dumps(cases, default=str))
+    run_script("train_and_record.py", ["--cases", str(spec)], nproc=2, timeout=900)
+    return {name: json.loads((tmp / f"{name}.json").read_text()) for name, _, _ in runs}
+
+
+def crash_after_step_2(ckpt) -> list:
+    """The run "crashed" after its step-2 checkpoint: the step-4 one is removed and ``latest``
+    points back at step 2."""
+    return [["rmtree", ckpt / "iter_0000004"], ["write", ckpt / "latest", "iter_0000002"]]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
-    init = tmp / "init"
-    full = train(tmp, "full", ["parallel.tensor=2", "save.dir=null"], save_model=init)
+    init, ckpt, dopt = tmp / "init", tmp / "ckpt", tmp / "dopt"
     weights = f"model.init_checkpoint={init}"
-    # A run that saves every 2 steps and "crashes" after the step-2 checkpoint: its step-4
-    # checkpoint is removed and `latest` points back at step 2. Then it is resumed.
-    first = train(tmp, "first", ["parallel.tensor=2", f"save.dir={tmp / 'ckpt'}", "save.interval=2", weights])
-    shutil.rmtree(tmp / "ckpt" / "iter_0000004")
-    (tmp / "ckpt" / "latest").write_text("iter_0000002")
-    shutil.copytree(tmp / "ckpt", tmp / "ckpt_pp")
-    resumed = train(tmp, "resumed", ["parallel.tensor=2", f"save.dir={tmp / 'ckpt'}", weights])
-    # The same checkpoint resumed under pipeline parallelism instead of tensor parallelism.
-    resumed_pp = train(tmp, "resumed_pp", ["parallel.pipeline=2", f"save.dir={tmp / 'ckpt_pp'}", weights])
-    return {"full": full, "first": first, "resumed": resumed, "resumed_pp": resumed_pp, "tmp": tmp}
+    # parallel.distributed_optimizer=true at DP=2: a run saving every 2 steps, its step-2
+    # checkpoint resumed at DP=2 and at TP=2 (the fully reshardable optimizer format).
+    dist_opt = ["parallel.distributed_optimizer=true"]
+    return {"tmp": tmp, **train_all(tmp, [
+        ("full", ["parallel.tensor=2", "save.dir=null"], {"save_model": init}),
+        # A run that saves every 2 steps and "crashes" after the step-2 checkpoint; then resumed.
+        ("first", ["parallel.tensor=2", f"save.dir={ckpt}", "save.interval=2", weights], {}),
+        ("resumed", ["parallel.tensor=2", f"save.dir={ckpt}", weights],
+         {"before": crash_after_step_2(ckpt) + [["copytree", ckpt, tmp / "ckpt_pp"]]}),
+        # The same checkpoint resumed under pipeline parallelism instead of tensor parallelism.
+        ("resumed_pp", ["parallel.pipeline=2", f"save.dir={tmp / 'ckpt_pp'}", weights], {}),
+        ("dopt_first", dist_opt + [f"save.dir={dopt}", "save.interval=2"], {}),
+        ("dopt_resumed", dist_opt + [f"save.dir={dopt}"],
+         {"before": crash_after_step_2(dopt) + [["copytree", dopt, tmp / "dopt_tp"]]}),
+        ("dopt_resumed_tp", dist_opt + ["parallel.tensor=2", f"save.dir={tmp / 'dopt_tp'}"], {}),
+    ])}
 
 
 def test_resume_reproduces_uninterrupted_losses(runs):
@@ -63,22 +78,8 @@ def test_latest_points_at_complete_checkpoint(runs):
     assert not list(ckpt.glob("*.tmp"))
 
 
-@pytest.fixture(scope="module")
-def distributed_optimizer_runs(runs):
-    """parallel.distributed_optimizer=true at DP=2: a run saving every 2 steps, its step-2
-    checkpoint resumed at DP=2 and at TP=2 (the fully reshardable optimizer format)."""
-    tmp, dist_opt = runs["tmp"], ["parallel.distributed_optimizer=true"]
-    first = train(tmp, "dopt_first", dist_opt + [f"save.dir={tmp / 'dopt'}", "save.interval=2"])
-    shutil.rmtree(tmp / "dopt" / "iter_0000004")
-    (tmp / "dopt" / "latest").write_text("iter_0000002")
-    shutil.copytree(tmp / "dopt", tmp / "dopt_tp")
-    resumed = train(tmp, "dopt_resumed", dist_opt + [f"save.dir={tmp / 'dopt'}"])
-    resumed_tp = train(tmp, "dopt_resumed_tp", dist_opt + ["parallel.tensor=2", f"save.dir={tmp / 'dopt_tp'}"])
-    return first, resumed, resumed_tp
-
-
-def test_distributed_optimizer_checkpoint_resumes_exactly(runs, distributed_optimizer_runs):
-    first, resumed, resumed_tp = distributed_optimizer_runs
+def test_distributed_optimizer_checkpoint_resumes_exactly(runs):
+    first, resumed, resumed_tp = runs["dopt_first"], runs["dopt_resumed"], runs["dopt_resumed_tp"]
     # The uninterrupted DP=2 run equals the TP=2 reference run (another layout, same math).
     for got, want in zip(first, runs["full"]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)

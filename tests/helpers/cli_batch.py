@@ -1,6 +1,7 @@
 """Run several invocations of the conversion tools in one Python process.
 
     python tests/helpers/cli_batch.py calls.json results.json
+    torchrun --nproc_per_node 2 tests/helpers/cli_batch.py calls.json results.json
 
 A tiny conversion takes well under a second; importing torch, Megatron-Core and transformers
 takes several. Tests that need many invocations therefore run them here, one after the other,
@@ -12,7 +13,10 @@ is a script's path in the repository, e.g. a ``tests/helpers`` case with ``main(
 ``record_mtp`` (argv ``SRC DST KEY=VALUE...``) copies a model checkpoint and sets ``mtp``
 fields of its ``bebop_model.yaml`` (e.g. ``next_step_input=pre_norm``: heads trained that way);
 ``results.json``: ``[{"returncode": int, "stdout": str, "stderr": str}, ...]`` in the same order.
-From a test: :func:`run_batch`.
+A tool is looked up in ``tools/``, then ``examples/`` (``pretrain_mtp``); every script's
+``main`` takes the call's argv. Under torchrun (``run_batch(..., nproc=2)``)
+every rank makes every call, as each rank of a launched tool would; rank 0's results are
+returned. From a test: :func:`run_batch`.
 """
 
 from __future__ import annotations
@@ -30,8 +34,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _tool(name: str):
-    """``tools/<name>.py``, or a script given by its path in the repository (``tests/helpers/x.py``)."""
-    path = REPO / name if name.endswith(".py") else REPO / "tools" / f"{name}.py"
+    """``tools/<name>.py`` (else ``examples/<name>.py``), or a script given by its path in the
+    repository (``tests/helpers/x.py``)."""
+    if name.endswith(".py"):
+        path = REPO / name
+    else:
+        path = REPO / "tools" / f"{name}.py"
+        if not path.exists():
+            path = REPO / "examples" / f"{name}.py"
     name = Path(name).stem
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -73,17 +83,22 @@ def record_mtp(argv: list[str]) -> dict:
 
 
 def run_batch(calls: list[dict], workdir: Path, timeout: int = 600,
-              env: dict | None = None) -> list[subprocess.CompletedProcess]:
-    """Run ``calls`` in one subprocess (``env``: variables to set in it); one
-    ``CompletedProcess``-like result per call."""
+              env: dict | None = None, nproc: int = 1) -> list[subprocess.CompletedProcess]:
+    """Run ``calls`` in one subprocess (``env``: variables to set in it; ``nproc`` > 1: one
+    torchrun launch of that many CPU ranks); one ``CompletedProcess``-like result per call
+    (rank 0's)."""
     workdir.mkdir(parents=True, exist_ok=True)
     calls_file, results_file = workdir / "calls.json", workdir / "results.json"
     calls_file.write_text(json.dumps(calls))
     extra = env or {}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update({"OMP_NUM_THREADS": "1", **extra})
-    proc = subprocess.run([sys.executable, __file__, str(calls_file), str(results_file)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    from tests.helpers.launch import _free_port
+
+    launcher = [] if nproc == 1 else ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                                      "--master_addr", "127.0.0.1", "--master_port", str(_free_port())]
+    proc = subprocess.run([sys.executable, *launcher, __file__, str(calls_file), str(results_file)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(results_file.read_text())
     return [subprocess.CompletedProcess(c["argv"], r["returncode"], r["stdout"], r["stderr"])
@@ -102,7 +117,8 @@ def main() -> None:
         if call["tool"] not in tools:
             tools[call["tool"]] = _tool(call["tool"])
         results.append(_call(tools[call["tool"]], call["argv"]))
-    Path(sys.argv[2]).write_text(json.dumps(results))
+    rank = int(os.environ.get("RANK", "0"))
+    Path(sys.argv[2] + (f".rank{rank}" if rank else "")).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,11 @@
 
     python tests/helpers/probe_step.py repeated key=value ...
     python tests/helpers/probe_step.py memory key=value ...
+    python tests/helpers/probe_step.py memory key=value ... -- repeated key=value ... -- ...
+
+Several probes (separated by ``--``) run one after the other in this process, each with its own
+Trainer, and print one JSON line each, in order; ``memory`` only as the first (it measures the
+process's peak RSS).
 
 ``repeated``: with one MTP layer reused for K steps, the MTP block holds one layer, and the
 gradient of its weights from the full loss equals the sum of the gradients of the K
@@ -76,13 +81,22 @@ def probe_memory(trainer: Trainer) -> dict:
     return {"saved_activation_bytes": sum(saved.values()), "peak_rss_kb": rss_after, "rss_growth_kb": rss_after - rss_before}
 
 
-def main() -> None:
-    what, overrides = sys.argv[1], sys.argv[2:]
+def probe(what: str, overrides: list[str]) -> dict:
     cfg = load_config(overrides=["device=cpu", "save.dir=null", "train.resume=none", *overrides])
     trainer = Trainer(cfg, log=lambda *a, **k: None)
     assert parallel_state.get_tensor_model_parallel_world_size() == 1
-    result = probe_repeated(trainer) if what == "repeated" else probe_memory(trainer)
-    print(json.dumps(result))
+    return probe_repeated(trainer) if what == "repeated" else probe_memory(trainer)
+
+
+def main() -> None:
+    probes, args = [], sys.argv[1:]
+    while args:
+        end = args.index("--") if "--" in args else len(args)
+        probes.append((args[0], args[1:end]))
+        args = args[end + 1:]
+    assert all(what != "memory" for what, _ in probes[1:]), "memory: the process's first probe only"
+    for what, overrides in probes:
+        print(json.dumps(probe(what, overrides)), flush=True)
 
 
 if __name__ == "__main__":
