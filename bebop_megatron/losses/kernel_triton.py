@@ -13,6 +13,12 @@ Three kernels (:mod:`kernel_triton_jit`), each program looping over BLOCK-wide t
 one row's columns: A the softmax statistics (max, sum-exp, argmax), B the partial sums of
 the divergences and stats, C the gradient.
 
+Kind ``tv_kl`` (the LK hybrids), as in kernel_torch: B sums d_TV, S and KL(p||q) of a row
+from the same p and q (value ``[2, R]``: d_TV, KL); with ``with_grad`` one launch of C
+writes both directions (``grad_RV`` TV's, ``grad_kl_RV`` KL's, two ``R x V`` workspace
+views); ``grad_rows`` takes a ``[2, R]`` scale and one launch of C writes
+``scale_tv x TV direction + scale_kl x KL direction`` into one buffer.
+
 Between the kernels (in torch, ``R``-sized): the splits' maxima and sum-exps are combined
 (the sums rescaled by ``exp((max_split - max) / temperature)``), and so are B's partial sums.
 Under tensor parallelism (``tp_group`` of world size > 1), as in kernel_torch, the max is
@@ -41,12 +47,15 @@ from bebop_megatron.losses.kernel_torch import (
     KINDS,
     SAVED_ROWS,
     STAT_KEYS,
+    TV_KL,
     RowResult,
     Workspace,
     _all_reduce,
     compute_dtype,
 )
-from bebop_megatron.losses.kernel_triton_jit import (
+from bebop_megatron.losses.kernel_triton_jit import TV_KL as _TV_KL_ID
+from bebop_megatron.losses.kernel_triton_jit import (  # the kernels stay reachable here (tests compile them)
+    TV_KL_SUM,
     _HP,
     _HQ,
     _KL,
@@ -66,6 +75,7 @@ SPLITS: int | None = None
 PROGRAMS_PER_SM = 4
 
 _KIND_IDS = {kind: i for i, kind in enumerate(KINDS)}  # tv 0, kl 1, reverse_kl 2
+_KIND_IDS[TV_KL] = _TV_KL_ID  # 3
 _NO_INDEX = torch.iinfo(torch.long).max
 
 
@@ -75,7 +85,7 @@ def _interpreted() -> bool:
 
 def _check(draft_RV: torch.Tensor, target_RV: torch.Tensor, kind: str) -> None:
     if kind not in _KIND_IDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        raise ValueError(f"kind must be one of {tuple(_KIND_IDS)}, got {kind!r}")
     if draft_RV.shape != target_RV.shape or draft_RV.dim() < 1:
         raise ValueError(f"draft and target logits must have one shape [..., V], got {tuple(draft_RV.shape)} "
                          f"and {tuple(target_RV.shape)}")
@@ -130,14 +140,17 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _grad(draft2, target2, temps, saved_CR, scale_R, kind_id, tiles: _Tiles, out2) -> None:
+def _grad(draft2, target2, temps, saved_CR, scale_R, kind_id, tiles: _Tiles, out2, out_kl2=None) -> None:
+    """Kernel C; ``scale_R`` is ``[R]``, or ``[2, R]`` (TV's, KL's) for tv_kl (``[R]``: both the same);
+    ``out_kl2`` receives the KL direction (tv_kl in the forward)."""
     R, V = draft2.shape
     if R == 0 or V == 0:
         return
+    stride_c = scale_R.stride(0) if scale_R.dim() == 2 else 0
     with _on(draft2.device):
         _grad_kernel[(R, tiles.num_tiles)](
-            draft2, target2, temps, saved_CR, saved_CR.stride(0), scale_R, out2, V,
-            draft2.stride(0), target2.stride(0), out2.stride(0),
+            draft2, target2, temps, saved_CR, saved_CR.stride(0), scale_R, stride_c, out2,
+            out2 if out_kl2 is None else out_kl2, V, draft2.stride(0), target2.stride(0), out2.stride(0),
             BLOCK_V=tiles.block, KIND=kind_id, num_warps=tiles.num_warps,
         )
 
@@ -193,11 +206,12 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
             )
     parts_6R = parts_6RS[..., 0] if S == 1 else parts_6RS.sum(-1)
     parts: dict[str, torch.Tensor] = {}
-    if kind == "tv" or with_stats:
+    with_tv = kind in ("tv", TV_KL)
+    if with_tv or with_stats:
         parts["tv"] = parts_6R[_TV]
-    if kind == "tv":
+    if with_tv:
         parts["aux"] = parts_6R[_S]
-    if kind == "kl" or with_stats:
+    if kind in ("kl", TV_KL) or with_stats:
         parts["kl"] = parts_6R[_KL]
     if kind == "reverse_kl":
         parts["reverse_kl"] = parts["aux"] = parts_6R[_RKL]
@@ -220,7 +234,10 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
     names = list(parts)
     sums = dict(zip(names, _all_reduce(torch.stack([parts[n] for n in names]), dist.ReduceOp.SUM, tp_group)))
 
-    value = sums["tv" if kind == "tv" else kind]
+    if kind == TV_KL:
+        value = torch.stack([sums["tv"], sums["kl"]])
+    else:
+        value = sums["tv" if kind == "tv" else kind]
     saved[4] = sums["aux"] if "aux" in sums else 0.0
     stats = None
     if with_stats:
@@ -228,18 +245,23 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
             1.0 - sums["tv"], sums["alpha_to"], sums["entropy_target"], sums["entropy_draft"], sums["kl"],
         ]).view(len(STAT_KEYS), *lead)
         index = index.view(lead)
-    grad = None
-    if with_grad:
+    grad = grad_kl = None
+    if with_grad:  # tv_kl: both directions from one pass, TV's in grad, KL's in grad_kl
         grad = ws.take("grad", draft_RV, dtype)
+        grad_kl = ws.take("grad_kl", draft_RV, dtype) if kind == TV_KL else None
         scale = torch.full((R,), 1.0 / draft_temperature, dtype=dtype, device=device)
-        _grad(draft2, target2, temps, saved, scale, kind_id, tiles, grad.view(R, V))
-    return RowResult(value.view(lead), saved.view(len(SAVED_ROWS), *lead), stats, grad, argmax_R=index)
+        _grad(draft2, target2, temps, saved, scale, kind_id, tiles, grad.view(R, V),
+              None if grad_kl is None else grad_kl.view(R, V))
+    return RowResult(value.view(*value.shape[:-1], *lead), saved.view(len(SAVED_ROWS), *lead), stats, grad,
+                     argmax_R=index, grad_kl_RV=grad_kl)
 
 
 def grad_rows(draft_RV, target_RV, saved_CR, scale_R, *, kind, target_temperature, draft_temperature,
               ws: Workspace) -> torch.Tensor:
     """``scale_R`` x d value / d draft logits of one chunk (a workspace view), recomputed from
-    the saved per-row scalars by kernel C alone, with no collective."""
+    the saved per-row scalars by kernel C alone, with no collective. For ``tv_kl``, ``scale_R``
+    is ``[2, ...]`` (TV's and KL's) and the result ``scale_tv x TV direction + scale_kl x KL
+    direction``, from one pass."""
     _check(draft_RV, target_RV, kind)
     dtype = compute_dtype(draft_RV.dtype, target_RV.dtype)
     device = draft_RV.device
@@ -248,10 +270,12 @@ def grad_rows(draft_RV, target_RV, saved_CR, scale_R, *, kind, target_temperatur
     saved = saved_CR.reshape(len(SAVED_ROWS), R).to(dtype)
     if saved.stride(-1) != 1 and R > 1:
         saved = saved.contiguous()
-    scale = (scale_R / draft_temperature).reshape(R).to(dtype).contiguous()
+    pair = kind == TV_KL
+    scale = (scale_R / draft_temperature).reshape(*((2,) if pair else ()), R).to(dtype).contiguous()
     temps = _temperatures(draft_temperature, target_temperature, dtype, device)
     out = ws.take("grad", draft_RV, dtype)
-    _grad(draft2, target2, temps, saved, scale, _KIND_IDS[kind], _Tiles(R, V, device), out.view(R, V))
+    _grad(draft2, target2, temps, saved, scale, TV_KL_SUM if pair else _KIND_IDS[kind], _Tiles(R, V, device),
+          out.view(R, V))
     return out
 
 

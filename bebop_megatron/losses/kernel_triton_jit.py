@@ -10,11 +10,17 @@ Three kernels, each program looping over BLOCK-wide tiles of one row's columns:
 - B ``_parts_kernel`` (grid ``R x S``): with the row's global max and sum-exp, the partial
   sums over the split: d_TV = sum |p - q| / 2, S = sum q 1[q <= p] (ties count as "<="),
   KL(p||q), KL(q||p), H(p), H(q), as ``kind`` and ``with_stats`` need (0 log 0 = 0).
+  Kind tv_kl: d_TV, S and KL(p||q) from the same p and q of each tile.
 - C ``_grad_kernel`` (grid ``R x tiles``): ``scale_R`` x d value / d draft logits per
   element (Eq. 11 for TV: S q_j - q_j 1[q_j <= p_j]; q - p for kl;
   q_j [log(q_j / p_j) - KL(q||p)] for reverse_kl; times scale = 1 / draft_temperature in
   the forward), into a compute-dtype workspace view. B and C compute p and q with the same
   jitted helper, so the mask ``q <= p`` of the gradient is the one S was summed over.
+  Kind tv_kl, from one p and q per tile: ``TV_KL`` (the forward) writes the TV direction x
+  scale row 0 and the KL direction x scale row 1 into two outputs; ``TV_KL_SUM`` (the
+  backward) writes their sum into one.
+
+Kind ids (``KIND``): tv 0, kl 1, reverse_kl 2, tv_kl 3 (``TV_KL``); 4 (``TV_KL_SUM``) is C's only.
 """
 
 import triton
@@ -23,6 +29,8 @@ import triton.language as tl
 # B's partial sums, one slot each (B writes all of them; unused ones are 0).
 _TV, _S, _KL, _RKL, _HP, _HQ = range(6)
 _NUM_PARTS = 6
+TV_KL = 3  # kind id of tv_kl (B, and C with two outputs: the forward's TV and KL directions)
+TV_KL_SUM = 4  # C only: scale_tv x TV direction + scale_kl x KL direction in one output (the backward)
 
 
 @triton.jit
@@ -110,8 +118,9 @@ def _parts_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, parts_p
     hi = tl.minimum(lo + tiles_per_split * BLOCK_V, V)
     draft_row = draft_ptr + row * stride_d
     target_row = target_ptr + row * stride_t
-    need_tv: tl.constexpr = (KIND == 0) or WITH_STATS
-    need_kl: tl.constexpr = (KIND == 1) or WITH_STATS
+    need_tv: tl.constexpr = (KIND == 0) or (KIND == 3) or WITH_STATS
+    need_s: tl.constexpr = (KIND == 0) or (KIND == 3)
+    need_kl: tl.constexpr = (KIND == 1) or (KIND == 3) or WITH_STATS
     acc_tv = tl.zeros([BLOCK_V], dt)
     acc_s = tl.zeros([BLOCK_V], dt)
     acc_kl = tl.zeros([BLOCK_V], dt)
@@ -125,7 +134,7 @@ def _parts_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, parts_p
         # Columns past the split load -inf logits: q = p = 0, and every term below is 0.
         if need_tv:
             acc_tv += tl.abs(p - q)  # Eq. 10: d_TV = sum |p - q| / 2
-        if KIND == 0:
+        if need_s:
             acc_s += tl.where(q <= p, q, 0.0)  # S of Eq. 11, ties count as "<="
         logq = sq - lse_q
         logp = sp - lse_p
@@ -148,9 +157,11 @@ def _parts_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, parts_p
 
 
 @triton.jit
-def _grad_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, scale_ptr, out_ptr, V,
-                 stride_d, stride_t, stride_o, BLOCK_V: tl.constexpr, KIND: tl.constexpr):
-    """Kernel C: ``scale_R`` x d value / d draft logits of one (row, tile)."""
+def _grad_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, scale_ptr, stride_c, out_ptr, out_kl_ptr,
+                 V, stride_d, stride_t, stride_o, BLOCK_V: tl.constexpr, KIND: tl.constexpr):
+    """Kernel C: ``scale_R`` x d value / d draft logits of one (row, tile). tv_kl: the KL
+    direction's scale is ``stride_c`` past the TV one's (0: the same); ``out_kl_ptr`` (an
+    output like ``out_ptr``) is written by ``TV_KL`` only."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = cols < V
@@ -164,13 +175,21 @@ def _grad_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, scale_pt
     scale = tl.load(scale_ptr + row)
     sq, sp, q, p = _probs(draft_ptr + row * stride_d, target_ptr + row * stride_t, cols, mask,
                           max_q, sumexp_q, max_p, sumexp_p, t_q, t_p)
+    dest = row * stride_o + cols
     if KIND == 0:
-        g = q * aux - tl.where(q <= p, q, 0.0)  # Eq. 11: S q_j - q_j 1[q_j <= p_j]
+        g = (q * aux - tl.where(q <= p, q, 0.0)) * scale  # Eq. 11: S q_j - q_j 1[q_j <= p_j]
     elif KIND == 1:
-        g = q - p  # d KL(p||q) / dz
-    else:
+        g = (q - p) * scale  # d KL(p||q) / dz
+    elif KIND == 2:
         logq = sq - tl.log(sumexp_q)
         logp = sp - tl.log(sumexp_p)
         g = q * (logq - logp - aux)  # q_j [log(q_j / p_j) - KL(q||p)]
-        g = tl.where((q > 0) & (g == g), g, 0.0)  # 0 where q_j = 0 and, as kernel_torch, where nan (inf - inf)
-    tl.store(out_ptr + row * stride_o + cols, (g * scale).to(out_ptr.dtype.element_ty), mask=mask)
+        g = tl.where((q > 0) & (g == g), g, 0.0) * scale  # 0 where q_j = 0 and, as kernel_torch, where nan
+    else:  # tv_kl: both directions from this p and q
+        g = (q * aux - tl.where(q <= p, q, 0.0)) * scale
+        g_kl = (q - p) * tl.load(scale_ptr + stride_c + row)
+        if KIND == 3:
+            tl.store(out_kl_ptr + dest, g_kl.to(out_kl_ptr.dtype.element_ty), mask=mask)
+        else:
+            g = g + g_kl
+    tl.store(out_ptr + dest, g.to(out_ptr.dtype.element_ty), mask=mask)
