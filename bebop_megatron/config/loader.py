@@ -164,8 +164,6 @@ def validate(cfg: Config) -> None:
                               "(the logits are divided by it; beyond that range the softmax overflows)")
     _positive(cfg.loss.chunk_tokens, "loss.chunk_tokens")
     _choice(cfg.loss.impl, "loss.impl", ("torch", "triton"))
-    if cfg.loss.impl == "triton" and cfg.loss.type in ("lk", "e2e_lk"):
-        raise ConfigError(f"loss.type={cfg.loss.type} is implemented for loss.impl=torch only, not loss.impl=triton")
     if cfg.loss.impl == "triton" and cfg.device == "cpu":
         raise ConfigError("loss.impl=triton runs on CUDA only; use loss.impl=torch with device=cpu")
     _choice(t.lr_schedule, "train.lr_schedule", ("constant", "cosine"))

@@ -218,7 +218,8 @@ class LossConfig:
     logits and temporaries to a few ``chunk_tokens x V_local`` buffers per MTP step."""
     impl: str = "torch"
     """Loss kernel: ``torch`` (chunked plain torch, any device) or ``triton`` (Triton kernels
-    tiled over the vocabulary; CUDA only; not for ``lk`` / ``e2e_lk``, which are torch only)."""
+    tiled over the vocabulary; CUDA only), for every ``type`` (``lk`` / ``e2e_lk`` take TV and
+    KL of a row from one pass in both)."""
 
 
 @dataclass

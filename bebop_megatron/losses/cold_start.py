@@ -28,7 +28,7 @@ from bebop_megatron.losses.kernel_torch import TV_KL
 NLA_EPS = 1e-6
 DEFAULT_LK_ETA = 3.0
 COLD_START_KINDS = ("nla", "e2e_nla", "lk", "e2e_lk")
-HYBRID_KINDS = ("lk", "e2e_lk")  # need KL and TV per row (kernel kind tv_kl, torch kernel only)
+HYBRID_KINDS = ("lk", "e2e_lk")  # need KL and TV per row (kernel kind tv_kl, both kernels)
 KERNEL_KIND = {"nla": "tv", "e2e_nla": "tv", "lk": TV_KL, "e2e_lk": TV_KL}
 
 

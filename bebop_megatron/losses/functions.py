@@ -39,7 +39,7 @@ DEFAULT_CHUNK_TOKENS = 512
 
 @dataclass(frozen=True)
 class DivergenceOptions:
-    kind: str  # "tv", "kl" (KL(p||q)), "reverse_kl" (KL(q||p)) or "tv_kl" (d_TV and KL(p||q), torch only)
+    kind: str  # "tv", "kl" (KL(p||q)), "reverse_kl" (KL(q||p)) or "tv_kl" (d_TV and KL(p||q))
     target_temperature: float = 1.0
     draft_temperature: float = 1.0
     tp_group: object = None

@@ -13,11 +13,12 @@ as TP=1 and its own shard of the gradient. The backward needs no collective: it 
 p and q from the saved per-row max and sum-exp with exactly the forward's operations (so
 the mask ``q <= p`` is the one S was summed over).
 
-Kind ``tv_kl`` (torch only; the LK hybrids of ``tv.py``) takes d_TV and KL(p||q) of a row
-from the same softmaxes in one pass: the value is ``[2, R]`` (d_TV, KL), the forward
-gradient is the two directions (``grad_RV`` for TV, ``grad_kl_RV`` for KL), and
-``grad_rows`` takes a ``[2, R]`` scale and returns ``scale_tv x TV direction + scale_kl x KL
-direction`` in one buffer. Its buffers are those of TV with stats (six; four in backward).
+Kind ``tv_kl`` (the LK hybrids of ``tv.py``; kernel_triton has it too, with the same
+results) takes d_TV and KL(p||q) of a row from the same softmaxes in one pass: the value is
+``[2, R]`` (d_TV, KL), the forward gradient is the two directions (``grad_RV`` for TV,
+``grad_kl_RV`` for KL), and ``grad_rows`` takes a ``[2, R]`` scale and returns
+``scale_tv x TV direction + scale_kl x KL direction`` in one buffer. Its buffers are those
+of TV with stats (six; four in backward).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-KINDS = ("tv", "kl", "reverse_kl")  # kinds of both kernels (torch and Triton)
-TV_KL = "tv_kl"  # d_TV and KL(p||q) of a row together (torch kernel only)
+KINDS = ("tv", "kl", "reverse_kl")  # the single-divergence kinds of both kernels (torch and Triton)
+TV_KL = "tv_kl"  # d_TV and KL(p||q) of a row together (both kernels)
 STAT_KEYS = ("alpha_rs", "alpha_to", "entropy_target", "entropy_draft", "kl")
 # Per-row scalars the backward needs: max and sum-exp of q and p, and S (tv) / KL(q||p) (reverse_kl).
 SAVED_ROWS = ("max_q", "sumexp_q", "max_p", "sumexp_p", "aux")

@@ -9,21 +9,15 @@ rank's vocabulary shard (rank r holds the global columns ``r*V : (r+1)*V``), S v
 splits of one row (consecutive column ranges handled by separate programs, so that a small
 chunk still fills the GPU), BLOCK the tile width.
 
-Three kernels, each program looping over BLOCK-wide tiles of one row's columns:
+Three kernels (:mod:`kernel_triton_jit`), each program looping over BLOCK-wide tiles of
+one row's columns: A the softmax statistics (max, sum-exp, argmax), B the partial sums of
+the divergences and stats, C the gradient.
 
-- A ``_softmax_stats_kernel`` (grid ``R x S``): online max and sum-exp of q (draft logits /
-  draft_temperature) and p (target logits / target_temperature) over the split, and (with
-  stats) the first maximal draft logit's index. As in kernel_torch the max is that of the
-  *unscaled* logits and the sum is of ``exp((logits - max) / temperature)``, so the saved
-  rows of the two implementations are interchangeable.
-- B ``_parts_kernel`` (grid ``R x S``): with the row's global max and sum-exp, the partial
-  sums over the split: d_TV = sum |p - q| / 2, S = sum q 1[q <= p] (ties count as "<="),
-  KL(p||q), KL(q||p), H(p), H(q), as ``kind`` and ``with_stats`` need (0 log 0 = 0).
-- C ``_grad_kernel`` (grid ``R x tiles``): ``scale_R`` x d value / d draft logits per
-  element (Eq. 11 for TV: S q_j - q_j 1[q_j <= p_j]; q - p for kl;
-  q_j [log(q_j / p_j) - KL(q||p)] for reverse_kl; times scale = 1 / draft_temperature in
-  the forward), into a compute-dtype workspace view. B and C compute p and q with the same
-  jitted helper, so the mask ``q <= p`` of the gradient is the one S was summed over.
+Kind ``tv_kl`` (the LK hybrids), as in kernel_torch: B sums d_TV, S and KL(p||q) of a row
+from the same p and q (value ``[2, R]``: d_TV, KL); with ``with_grad`` one launch of C
+writes both directions (``grad_RV`` TV's, ``grad_kl_RV`` KL's, two ``R x V`` workspace
+views); ``grad_rows`` takes a ``[2, R]`` scale and one launch of C writes
+``scale_tv x TV direction + scale_kl x KL direction`` into one buffer.
 
 Between the kernels (in torch, ``R``-sized): the splits' maxima and sum-exps are combined
 (the sums rescaled by ``exp((max_split - max) / temperature)``), and so are B's partial sums.
@@ -48,16 +42,30 @@ import math
 import torch
 import torch.distributed as dist
 import triton
-import triton.language as tl
 
 from bebop_megatron.losses.kernel_torch import (
     KINDS,
     SAVED_ROWS,
     STAT_KEYS,
+    TV_KL,
     RowResult,
     Workspace,
     _all_reduce,
     compute_dtype,
+)
+from bebop_megatron.losses.kernel_triton_jit import TV_KL as _TV_KL_ID
+from bebop_megatron.losses.kernel_triton_jit import (  # the kernels stay reachable here (tests compile them)
+    TV_KL_SUM,
+    _HP,
+    _HQ,
+    _KL,
+    _NUM_PARTS,
+    _RKL,
+    _S,
+    _TV,
+    _grad_kernel,
+    _parts_kernel,
+    _softmax_stats_kernel,
 )
 
 # Tuning knobs (module attributes so tests can shrink them): the widest tile, and the
@@ -66,162 +74,9 @@ BLOCK_V = 2048
 SPLITS: int | None = None
 PROGRAMS_PER_SM = 4
 
-# B's partial sums, one slot each (B writes all of them; unused ones are 0).
-_TV, _S, _KL, _RKL, _HP, _HQ = range(6)
-_NUM_PARTS = 6
 _KIND_IDS = {kind: i for i, kind in enumerate(KINDS)}  # tv 0, kl 1, reverse_kl 2
+_KIND_IDS[TV_KL] = _TV_KL_ID  # 3
 _NO_INDEX = torch.iinfo(torch.long).max
-
-
-@triton.jit
-def _shifted(ptr, cols, mask, max_, temperature):
-    """(logits - max) / temperature in the compute dtype (that of ``max_``); -inf past V."""
-    x = tl.load(ptr + cols, mask=mask, other=float("-inf")).to(max_.dtype)
-    return (x - max_) / temperature
-
-
-@triton.jit
-def _probs(draft_ptr, target_ptr, cols, mask, max_q, sumexp_q, max_p, sumexp_p, t_q, t_p):
-    """Shifted logits and normalised probabilities of one tile (the one helper of B and C)."""
-    sq = _shifted(draft_ptr, cols, mask, max_q, t_q)
-    sp = _shifted(target_ptr, cols, mask, max_p, t_p)
-    q = tl.exp(sq) / sumexp_q
-    p = tl.exp(sp) / sumexp_p
-    return sq, sp, q, p
-
-
-@triton.jit
-def _softmax_stats_kernel(draft_ptr, target_ptr, temps_ptr, max_ptr, sumexp_ptr, arg_ptr, R, V,
-                          stride_d, stride_t, tiles_per_split, BLOCK_V: tl.constexpr, WITH_ARG: tl.constexpr):
-    """Kernel A: per (row, split), max of the unscaled logits and sum exp((x - max) / T) of
-    q and p, and (WITH_ARG) the first index of the draft's max; outputs ``[2, R, S]``, ``[R, S]``."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    num_splits = tl.num_programs(1)
-    dt = max_ptr.dtype.element_ty
-    t_q = tl.load(temps_ptr)
-    t_p = tl.load(temps_ptr + 1)
-    lo = split * tiles_per_split * BLOCK_V
-    hi = tl.minimum(lo + tiles_per_split * BLOCK_V, V)
-    draft_row = draft_ptr + row * stride_d
-    target_row = target_ptr + row * stride_t
-    m_q = tl.full((), float("-inf"), dt)
-    m_p = tl.full((), float("-inf"), dt)
-    s_q = tl.full((), 0.0, dt)
-    s_p = tl.full((), 0.0, dt)
-    a_q = lo
-    for start in range(lo, hi, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < hi
-        xq = tl.load(draft_row + cols, mask=mask, other=float("-inf")).to(dt)
-        xp = tl.load(target_row + cols, mask=mask, other=float("-inf")).to(dt)
-        if WITH_ARG:
-            tile_max_q, tile_arg_q = tl.max(xq, 0, return_indices=True, return_indices_tie_break_left=True)
-            a_q = tl.where(tile_max_q > m_q, start + tile_arg_q, a_q)  # strict: earlier tiles win ties
-        else:
-            tile_max_q = tl.max(xq, 0)
-        new_q = tl.maximum(m_q, tile_max_q)
-        new_p = tl.maximum(m_p, tl.max(xp, 0))
-        # A max still at -inf (every logit so far -inf) shifts by 0 instead: no inf - inf.
-        ref_q = tl.where(new_q == float("-inf"), 0.0, new_q)
-        ref_p = tl.where(new_p == float("-inf"), 0.0, new_p)
-        s_q = s_q * tl.exp((m_q - ref_q) / t_q) + tl.sum(tl.exp((xq - ref_q) / t_q), 0)
-        s_p = s_p * tl.exp((m_p - ref_p) / t_p) + tl.sum(tl.exp((xp - ref_p) / t_p), 0)
-        m_q = new_q
-        m_p = new_p
-    out = row * num_splits + split
-    tl.store(max_ptr + out, m_q)
-    tl.store(max_ptr + R * num_splits + out, m_p)
-    tl.store(sumexp_ptr + out, s_q)
-    tl.store(sumexp_ptr + R * num_splits + out, s_p)
-    if WITH_ARG:
-        tl.store(arg_ptr + out, a_q.to(tl.int64))
-
-
-@triton.jit
-def _parts_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, parts_ptr, R, V, stride_d, stride_t,
-                  tiles_per_split, BLOCK_V: tl.constexpr, KIND: tl.constexpr, WITH_STATS: tl.constexpr):
-    """Kernel B: per (row, split), the partial sums of the six slots (``[6, R, S]``)."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    num_splits = tl.num_programs(1)
-    dt = saved_ptr.dtype.element_ty
-    t_q = tl.load(temps_ptr)
-    t_p = tl.load(temps_ptr + 1)
-    max_q = tl.load(saved_ptr + row)
-    sumexp_q = tl.load(saved_ptr + stride_s + row)
-    max_p = tl.load(saved_ptr + 2 * stride_s + row)
-    sumexp_p = tl.load(saved_ptr + 3 * stride_s + row)
-    lse_q = tl.log(sumexp_q)
-    lse_p = tl.log(sumexp_p)
-    lo = split * tiles_per_split * BLOCK_V
-    hi = tl.minimum(lo + tiles_per_split * BLOCK_V, V)
-    draft_row = draft_ptr + row * stride_d
-    target_row = target_ptr + row * stride_t
-    need_tv: tl.constexpr = (KIND == 0) or WITH_STATS
-    need_kl: tl.constexpr = (KIND == 1) or WITH_STATS
-    acc_tv = tl.zeros([BLOCK_V], dt)
-    acc_s = tl.zeros([BLOCK_V], dt)
-    acc_kl = tl.zeros([BLOCK_V], dt)
-    acc_rkl = tl.zeros([BLOCK_V], dt)
-    acc_hp = tl.zeros([BLOCK_V], dt)
-    acc_hq = tl.zeros([BLOCK_V], dt)
-    for start in range(lo, hi, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < hi
-        sq, sp, q, p = _probs(draft_row, target_row, cols, mask, max_q, sumexp_q, max_p, sumexp_p, t_q, t_p)
-        # Columns past the split load -inf logits: q = p = 0, and every term below is 0.
-        if need_tv:
-            acc_tv += tl.abs(p - q)  # Eq. 10: d_TV = sum |p - q| / 2
-        if KIND == 0:
-            acc_s += tl.where(q <= p, q, 0.0)  # S of Eq. 11, ties count as "<="
-        logq = sq - lse_q
-        logp = sp - lse_p
-        # 0 log 0 = 0: terms with a zero weight are 0 (a log ratio of +inf with a positive weight stays).
-        if need_kl:
-            acc_kl += tl.where(p > 0, p * (logp - logq), 0.0)
-        if KIND == 2:
-            acc_rkl += tl.where(q > 0, q * (logq - logp), 0.0)
-        if WITH_STATS:
-            acc_hp += tl.where(p > 0, p * logp, 0.0)
-            acc_hq += tl.where(q > 0, q * logq, 0.0)
-    out = row * num_splits + split
-    plane = R * num_splits
-    tl.store(parts_ptr + out, 0.5 * tl.sum(acc_tv, 0))
-    tl.store(parts_ptr + plane + out, tl.sum(acc_s, 0))
-    tl.store(parts_ptr + 2 * plane + out, tl.sum(acc_kl, 0))
-    tl.store(parts_ptr + 3 * plane + out, tl.sum(acc_rkl, 0))
-    tl.store(parts_ptr + 4 * plane + out, -tl.sum(acc_hp, 0))
-    tl.store(parts_ptr + 5 * plane + out, -tl.sum(acc_hq, 0))
-
-
-@triton.jit
-def _grad_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, scale_ptr, out_ptr, V,
-                 stride_d, stride_t, stride_o, BLOCK_V: tl.constexpr, KIND: tl.constexpr):
-    """Kernel C: ``scale_R`` x d value / d draft logits of one (row, tile)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < V
-    t_q = tl.load(temps_ptr)
-    t_p = tl.load(temps_ptr + 1)
-    max_q = tl.load(saved_ptr + row)
-    sumexp_q = tl.load(saved_ptr + stride_s + row)
-    max_p = tl.load(saved_ptr + 2 * stride_s + row)
-    sumexp_p = tl.load(saved_ptr + 3 * stride_s + row)
-    aux = tl.load(saved_ptr + 4 * stride_s + row)
-    scale = tl.load(scale_ptr + row)
-    sq, sp, q, p = _probs(draft_ptr + row * stride_d, target_ptr + row * stride_t, cols, mask,
-                          max_q, sumexp_q, max_p, sumexp_p, t_q, t_p)
-    if KIND == 0:
-        g = q * aux - tl.where(q <= p, q, 0.0)  # Eq. 11: S q_j - q_j 1[q_j <= p_j]
-    elif KIND == 1:
-        g = q - p  # d KL(p||q) / dz
-    else:
-        logq = sq - tl.log(sumexp_q)
-        logp = sp - tl.log(sumexp_p)
-        g = q * (logq - logp - aux)  # q_j [log(q_j / p_j) - KL(q||p)]
-        g = tl.where((q > 0) & (g == g), g, 0.0)  # 0 where q_j = 0 and, as kernel_torch, where nan (inf - inf)
-    tl.store(out_ptr + row * stride_o + cols, (g * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _interpreted() -> bool:
@@ -230,7 +85,7 @@ def _interpreted() -> bool:
 
 def _check(draft_RV: torch.Tensor, target_RV: torch.Tensor, kind: str) -> None:
     if kind not in _KIND_IDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        raise ValueError(f"kind must be one of {tuple(_KIND_IDS)}, got {kind!r}")
     if draft_RV.shape != target_RV.shape or draft_RV.dim() < 1:
         raise ValueError(f"draft and target logits must have one shape [..., V], got {tuple(draft_RV.shape)} "
                          f"and {tuple(target_RV.shape)}")
@@ -285,14 +140,17 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _grad(draft2, target2, temps, saved_CR, scale_R, kind_id, tiles: _Tiles, out2) -> None:
+def _grad(draft2, target2, temps, saved_CR, scale_R, kind_id, tiles: _Tiles, out2, out_kl2=None) -> None:
+    """Kernel C; ``scale_R`` is ``[R]``, or ``[2, R]`` (TV's, KL's) for tv_kl (``[R]``: both the same);
+    ``out_kl2`` receives the KL direction (tv_kl in the forward)."""
     R, V = draft2.shape
     if R == 0 or V == 0:
         return
+    stride_c = scale_R.stride(0) if scale_R.dim() == 2 else 0
     with _on(draft2.device):
         _grad_kernel[(R, tiles.num_tiles)](
-            draft2, target2, temps, saved_CR, saved_CR.stride(0), scale_R, out2, V,
-            draft2.stride(0), target2.stride(0), out2.stride(0),
+            draft2, target2, temps, saved_CR, saved_CR.stride(0), scale_R, stride_c, out2,
+            out2 if out_kl2 is None else out_kl2, V, draft2.stride(0), target2.stride(0), out2.stride(0),
             BLOCK_V=tiles.block, KIND=kind_id, num_warps=tiles.num_warps,
         )
 
@@ -348,11 +206,12 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
             )
     parts_6R = parts_6RS[..., 0] if S == 1 else parts_6RS.sum(-1)
     parts: dict[str, torch.Tensor] = {}
-    if kind == "tv" or with_stats:
+    with_tv = kind in ("tv", TV_KL)
+    if with_tv or with_stats:
         parts["tv"] = parts_6R[_TV]
-    if kind == "tv":
+    if with_tv:
         parts["aux"] = parts_6R[_S]
-    if kind == "kl" or with_stats:
+    if kind in ("kl", TV_KL) or with_stats:
         parts["kl"] = parts_6R[_KL]
     if kind == "reverse_kl":
         parts["reverse_kl"] = parts["aux"] = parts_6R[_RKL]
@@ -375,7 +234,10 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
     names = list(parts)
     sums = dict(zip(names, _all_reduce(torch.stack([parts[n] for n in names]), dist.ReduceOp.SUM, tp_group)))
 
-    value = sums["tv" if kind == "tv" else kind]
+    if kind == TV_KL:
+        value = torch.stack([sums["tv"], sums["kl"]])
+    else:
+        value = sums["tv" if kind == "tv" else kind]
     saved[4] = sums["aux"] if "aux" in sums else 0.0
     stats = None
     if with_stats:
@@ -383,18 +245,23 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
             1.0 - sums["tv"], sums["alpha_to"], sums["entropy_target"], sums["entropy_draft"], sums["kl"],
         ]).view(len(STAT_KEYS), *lead)
         index = index.view(lead)
-    grad = None
-    if with_grad:
+    grad = grad_kl = None
+    if with_grad:  # tv_kl: both directions from one pass, TV's in grad, KL's in grad_kl
         grad = ws.take("grad", draft_RV, dtype)
+        grad_kl = ws.take("grad_kl", draft_RV, dtype) if kind == TV_KL else None
         scale = torch.full((R,), 1.0 / draft_temperature, dtype=dtype, device=device)
-        _grad(draft2, target2, temps, saved, scale, kind_id, tiles, grad.view(R, V))
-    return RowResult(value.view(lead), saved.view(len(SAVED_ROWS), *lead), stats, grad, argmax_R=index)
+        _grad(draft2, target2, temps, saved, scale, kind_id, tiles, grad.view(R, V),
+              None if grad_kl is None else grad_kl.view(R, V))
+    return RowResult(value.view(*value.shape[:-1], *lead), saved.view(len(SAVED_ROWS), *lead), stats, grad,
+                     argmax_R=index, grad_kl_RV=grad_kl)
 
 
 def grad_rows(draft_RV, target_RV, saved_CR, scale_R, *, kind, target_temperature, draft_temperature,
               ws: Workspace) -> torch.Tensor:
     """``scale_R`` x d value / d draft logits of one chunk (a workspace view), recomputed from
-    the saved per-row scalars by kernel C alone, with no collective."""
+    the saved per-row scalars by kernel C alone, with no collective. For ``tv_kl``, ``scale_R``
+    is ``[2, ...]`` (TV's and KL's) and the result ``scale_tv x TV direction + scale_kl x KL
+    direction``, from one pass."""
     _check(draft_RV, target_RV, kind)
     dtype = compute_dtype(draft_RV.dtype, target_RV.dtype)
     device = draft_RV.device
@@ -403,10 +270,12 @@ def grad_rows(draft_RV, target_RV, saved_CR, scale_R, *, kind, target_temperatur
     saved = saved_CR.reshape(len(SAVED_ROWS), R).to(dtype)
     if saved.stride(-1) != 1 and R > 1:
         saved = saved.contiguous()
-    scale = (scale_R / draft_temperature).reshape(R).to(dtype).contiguous()
+    pair = kind == TV_KL
+    scale = (scale_R / draft_temperature).reshape(*((2,) if pair else ()), R).to(dtype).contiguous()
     temps = _temperatures(draft_temperature, target_temperature, dtype, device)
     out = ws.take("grad", draft_RV, dtype)
-    _grad(draft2, target2, temps, saved, scale, _KIND_IDS[kind], _Tiles(R, V, device), out.view(R, V))
+    _grad(draft2, target2, temps, saved, scale, TV_KL_SUM if pair else _KIND_IDS[kind], _Tiles(R, V, device),
+          out.view(R, V))
     return out
 
 

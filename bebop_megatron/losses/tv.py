@@ -26,7 +26,6 @@ import torch
 from bebop_megatron.losses.cold_start import (
     COLD_START_KINDS,
     DEFAULT_LK_ETA,
-    HYBRID_KINDS,
     KERNEL_KIND,
     check_lk_eta,
     per_position,
@@ -70,8 +69,6 @@ def _options(kind, valid, shape_KN, *, tp_group, target_temperature, draft_tempe
              chunk_tokens, return_stats, grad_in_forward=False, impl, vocab_size=None) -> DivergenceOptions:
     """Checks shared by every entry point; the kernel options of the objective ``kind``."""
     _check_common(impl, target_temperature, draft_temperature, chunk_tokens)
-    if impl == "triton" and kind in HYBRID_KINDS:
-        raise ValueError(f"objective {kind!r} (KL and TV from one pass) has impl='torch' only, got impl='triton'")
     if vocab_size is not None and not (isinstance(vocab_size, int) and vocab_size >= 1):
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
     if reduction not in REDUCTIONS:
