@@ -35,6 +35,7 @@ from bebop_megatron.model.mtp_init import resolve as resolve_mtp_init
 from bebop_megatron.platform import init_distributed, resolve_device
 from bebop_megatron.platform.grad_norms import compute_grad_norms, step_with_norms
 from bebop_megatron.training import checkpoint as ckpt
+from bebop_megatron.training.model_weights import load_model_weights
 from bebop_megatron.training import synthetic_backbone
 from bebop_megatron.training.flops import mfu, peak_tflops_per_device, step_flops
 from bebop_megatron.training.guard import NumericsGuard, agree_on_flags, local_loss_is_finite
@@ -132,9 +133,9 @@ class Trainer:
         self.sizes = setup_parallel(cfg, self.world)
         self.model = build_model(cfg, self.device)
         if cfg.model.backbone_checkpoint:
-            ckpt.load_model_weights(cfg.model.backbone_checkpoint, self.model, backbone_only=True)
+            load_model_weights(cfg.model.backbone_checkpoint, self.model, backbone_only=True)
         elif cfg.model.init_checkpoint:
-            ckpt.load_model_weights(cfg.model.init_checkpoint, self.model, backbone_only=False)
+            load_model_weights(cfg.model.init_checkpoint, self.model, backbone_only=False)
         init_mtp_layers(self.model, resolve_mtp_init(cfg), parallel_state.get_tensor_model_parallel_rank())
         self.has_mtp = bool(self.model.mtp_process)
         # Every stage builds the (DDP, optimizer) pair because Megatron aligns param groups
