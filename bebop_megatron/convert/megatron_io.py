@@ -83,7 +83,7 @@ def load(path: str, model, keep) -> None:
     """Load the tensors whose names satisfy ``keep`` (all must be present)."""
     from megatron.core import dist_checkpointing
 
-    from bebop_megatron.training.checkpoint import _filtered_sharded_state_dict, _load_into
+    from bebop_megatron.training.model_weights import _filtered_sharded_state_dict, _load_into
 
     sd = _filtered_sharded_state_dict(model, keep)
     loaded = dist_checkpointing.load({"model": sd}, path)["model"]
@@ -91,7 +91,7 @@ def load(path: str, model, keep) -> None:
 
 
 def save(path: str, model) -> None:
-    from bebop_megatron.training.checkpoint import save_model_checkpoint
+    from bebop_megatron.training.model_weights import save_model_checkpoint
 
     save_model_checkpoint(path, model)
 

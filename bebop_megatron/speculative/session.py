@@ -97,9 +97,9 @@ def load(checkpoint: str, device: str = "cpu", precision: str | None = None, han
 
     from bebop_megatron.config import load_config
     from bebop_megatron.platform import init_distributed
-    from bebop_megatron.training import checkpoint as ckpt
     from bebop_megatron.training import synthetic_backbone
     from bebop_megatron.training.checkpoint import read_common_state
+    from bebop_megatron.training.model_weights import load_trained_model
     from bebop_megatron.training.parallel import setup_parallel
     from bebop_megatron.training.resume import damage
 
@@ -140,7 +140,7 @@ def load(checkpoint: str, device: str = "cpu", precision: str | None = None, han
     # A run on the fitted synthetic backbone (model.backbone_init=fit_synthetic): rebuilt when its
     # cache entry is missing, as tools/eval_acceptance.py does.
     synthetic_backbone.prepare(cfg, 0, log=lambda line: print(line, file=sys.stderr, flush=True))
-    return ckpt.load_trained_model(cfg, path, device), cfg
+    return load_trained_model(cfg, path, device), cfg
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

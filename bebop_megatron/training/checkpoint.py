@@ -6,7 +6,8 @@ A checkpoint is written to ``iter_NNNNNNN.tmp`` and renamed once complete; ``lat
 replaced atomically afterwards, so a crash mid-save never leaves ``latest`` pointing at a
 partial checkpoint. Only then are checkpoints beyond ``save.keep_last`` deleted (never the one
 ``latest`` names). Each checkpoint directory also holds ``config.yaml``, the resolved config
-of the run that wrote it.
+of the run that wrote it. Model weights alone (a whole model, or the trained model of a
+training checkpoint) are :mod:`bebop_megatron.training.model_weights`.
 
 With an :class:`AsyncSaver` the shards are written by a forked writer process (Megatron-Core's
 ``mcore`` async strategy; it works on CPU with gloo as well as on CUDA) while training goes
@@ -33,40 +34,13 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_base
 from bebop_megatron.model import is_mtp_param
 from bebop_megatron.platform import torch_adam
 from bebop_megatron.platform.checkpoint_writer import record_write_errors
+from bebop_megatron.training.model_weights import _filtered_sharded_state_dict, _load_into, use_in_process_write_results
+from bebop_megatron.training.model_weights import load_trained_model  # noqa: F401  (re-exported)
 from bebop_megatron.training.write_errors import CheckpointWriteError, raise_agreed_write_error, write_problem
 
 LATEST = "latest"
 CONFIG_FILE = "config.yaml"
 _CHECKPOINT_NAME = re.compile(r"^iter_(\d+)$")
-
-
-def use_in_process_write_results() -> None:
-    """Collect writer results in a plain queue instead of a spawned ``Manager`` process.
-
-    Megatron's file writer reports results through a process-shared queue made by a
-    ``spawn``-context ``Manager``, which starts a new interpreter (re-importing the training
-    script) on the first save of every rank. Synchronous saves write from this process's
-    threads only, so an in-process queue is equivalent and starts nothing.
-    """
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = queue.Queue()
-
-
-def _unwrap(model):
-    return getattr(model, "module", model)
-
-
-def _filtered_sharded_state_dict(model, keep) -> dict:
-    sd = _unwrap(model).sharded_state_dict(prefix="")
-    return {k: v for k, v in sd.items() if keep(k)}
-
-
-def _is_backbone_key(key: str) -> bool:
-    return not is_mtp_param(key)
 
 
 def _rng_sharded_object(world_rank: int, world_size: int):
@@ -370,66 +344,3 @@ def _param_group_lists(tree):
         for key, value in tree.items():
             if key != "param_groups":
                 yield from _param_group_lists(value)
-
-
-def load_mtp_weights(path: str, model) -> None:
-    """Load only the MTP layers' weights of a training checkpoint (no optimizer, no RNG):
-    what evaluation needs. Any saved layout loads at this model's layout."""
-    _load_filtered(path, model, is_mtp_param)
-
-
-def _load_filtered(path: str, model, keep) -> None:
-    """Load the weights whose names ``keep`` accepts (collective: every rank calls it)."""
-    sd = _filtered_sharded_state_dict(model, keep)
-    _load_into(model, dist_checkpointing.load({"model": sd}, path)["model"], keep)
-
-
-def _load_into(model, state_dict: dict, keep) -> None:
-    module = _unwrap(model)
-    missing, unexpected = module.load_state_dict(state_dict, strict=False)
-    expected = {k for k in module.state_dict().keys() if keep(k) and not k.endswith("_extra_state")}
-    not_loaded = expected & set(missing)
-    if not_loaded or unexpected:
-        raise ValueError(
-            f"checkpoint does not match the model: missing {sorted(not_loaded)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
-
-
-def save_model_checkpoint(path: str, model) -> None:
-    """Write every weight of the model (backbone and MTP) as a distributed checkpoint.
-
-    Collective over all ranks. The result is what ``model.init_checkpoint`` (all weights)
-    or ``model.backbone_checkpoint`` (backbone only) loads, at any parallel layout.
-    """
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-        os.makedirs(path)
-    dist.barrier()
-    use_in_process_write_results()
-    dist_checkpointing.save({"model": _filtered_sharded_state_dict(model, lambda k: True)}, path)
-    dist.barrier()
-
-
-def load_model_weights(path: str, model, backbone_only: bool) -> None:
-    """Load the backbone (and, unless ``backbone_only``, the MTP layers) from ``path``."""
-    if not os.path.isdir(path):
-        raise ValueError(f"model checkpoint directory not found: {path}")
-    _load_filtered(path, model, _is_backbone_key if backbone_only else (lambda k: True))
-
-
-def load_trained_model(cfg, ckpt_path: str, device):
-    """Build the model as the trainer does (``cfg`` after ``setup_parallel``), load the backbone
-    (``model.backbone_checkpoint``, ``model.init_checkpoint``, or the seeded initialisation)
-    and the trained MTP layers of ``ckpt_path``; eval mode. A training checkpoint holds the
-    MTP weights (and optimizer), not the frozen backbone."""
-    from bebop_megatron.model import build_model
-
-    model = build_model(cfg, device)
-    if cfg.model.backbone_checkpoint:
-        load_model_weights(cfg.model.backbone_checkpoint, model, backbone_only=True)
-    elif cfg.model.init_checkpoint:
-        load_model_weights(cfg.model.init_checkpoint, model, backbone_only=False)
-    load_mtp_weights(ckpt_path, model)
-    model.eval()
-    return model

@@ -224,7 +224,7 @@ def fit(cfg, out: str, log=print) -> dict:
     from bebop_megatron.model import build_model
     from bebop_megatron.platform import init_distributed
     from bebop_megatron.platform.checkpoint_writer import record_write_errors
-    from bebop_megatron.training.checkpoint import save_model_checkpoint
+    from bebop_megatron.training.model_weights import save_model_checkpoint
     from bebop_megatron.training.parallel import setup_parallel
 
     torch.set_num_threads(FIT_THREADS)

@@ -12,7 +12,6 @@ import functools
 import math
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -29,17 +28,18 @@ from bebop_megatron.data import (
     eval_batches,
     load_tokenizer,
 )
-from bebop_megatron.model import build_model, mtp_parameters
+from bebop_megatron.model import build_model
 from bebop_megatron.model.builder import use_transformer_engine
 from bebop_megatron.model.mtp_init import init_mtp_layers
 from bebop_megatron.model.mtp_init import resolve as resolve_mtp_init
 from bebop_megatron.platform import init_distributed, resolve_device
 from bebop_megatron.platform.grad_norms import compute_grad_norms, step_with_norms
 from bebop_megatron.training import checkpoint as ckpt
+from bebop_megatron.training.model_weights import load_model_weights
 from bebop_megatron.training import synthetic_backbone
 from bebop_megatron.training.flops import mfu, peak_tflops_per_device, step_flops
 from bebop_megatron.training.guard import NumericsGuard, agree_on_flags, local_loss_is_finite
-from bebop_megatron.training.loss import STAT_ROWS, mtp_loss
+from bebop_megatron.training.loss import mtp_loss
 from bebop_megatron.training.monitor import Monitor, eval_scalars, peak_memory_gib, step_scalars
 from bebop_megatron.training.optim import build_optimizer, finalize_mtp_grads, wrap_ddp
 from bebop_megatron.training.parallel import setup_parallel
@@ -47,32 +47,13 @@ from bebop_megatron.training.precision import check_cpu_bf16
 from bebop_megatron.training.resume import agree_on_start
 from bebop_megatron.training.schedule import run_microbatches
 from bebop_megatron.training.signals import Preempted, PreemptionHandler, stop_message
-
-
-@dataclass
-class StepMetrics:
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    top1: list[float]  # per MTP step, over valid chain positions: agreement with the data token
-    ce: list[float]  # per MTP step (ce objective only; 0 otherwise)
-    alpha_rs: list[float] = field(default_factory=list)  # mean sum_v min(p, q) per MTP step
-    alpha_to: list[float] = field(default_factory=list)  # mean p(argmax q) per MTP step
-    entropy_target: list[float] = field(default_factory=list)  # mean H(p)
-    entropy_draft: list[float] = field(default_factory=list)  # mean H(q)
-    kl: list[float] = field(default_factory=list)  # mean KL(p || q)
-    # Expected accepted length E[L](g), g = 1..K: per position sum_{j<=g} prod_{i<=j} alpha_i,
-    # averaged over the positions whose chain reaches g (rejection sampling / target-only).
-    accept_len_rs: list[float] = field(default_factory=list)
-    accept_len_to: list[float] = field(default_factory=list)
-    tokens_per_s: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-
-def per_step(values) -> str:
-    """One number per MTP step, for the console."""
-    return " ".join(f"{v:.3f}" for v in values)
+from bebop_megatron.training.step_metrics import (
+    StepMetrics,
+    count_parameters,
+    eval_line,
+    reduce_step_metrics,
+    step_line,
+)
 
 
 def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device, loss_cfg, vocab_size: int):
@@ -152,9 +133,9 @@ class Trainer:
         self.sizes = setup_parallel(cfg, self.world)
         self.model = build_model(cfg, self.device)
         if cfg.model.backbone_checkpoint:
-            ckpt.load_model_weights(cfg.model.backbone_checkpoint, self.model, backbone_only=True)
+            load_model_weights(cfg.model.backbone_checkpoint, self.model, backbone_only=True)
         elif cfg.model.init_checkpoint:
-            ckpt.load_model_weights(cfg.model.init_checkpoint, self.model, backbone_only=False)
+            load_model_weights(cfg.model.init_checkpoint, self.model, backbone_only=False)
         init_mtp_layers(self.model, resolve_mtp_init(cfg), parallel_state.get_tensor_model_parallel_rank())
         self.has_mtp = bool(self.model.mtp_process)
         # Every stage builds the (DDP, optimizer) pair because Megatron aligns param groups
@@ -315,46 +296,13 @@ class Trainer:
         return metrics
 
     def reduce_metrics(self, outputs: list, grad_norm: torch.Tensor, lr: float | None = None) -> StepMetrics:
-        """One all-reduce per step brings the logged numbers to every rank.
-
-        Only one rank per data-parallel replica of the MTP stage contributes (its TP ranks
-        hold copies of the same sums). ``lr``: the LR the step's update used (default: the
-        next update's, for evaluations).
+        """One all-reduce per step brings the logged numbers to every rank
+        (:func:`~bebop_megatron.training.step_metrics.reduce_step_metrics`). ``lr``: the LR
+        the step's update used (default: the next update's, for evaluations).
         """
-        K, R = self.cfg.mtp.num_steps, len(STAT_ROWS)
-        report = torch.zeros(3 + R * K)
-        contributes = (
-            self.has_mtp
-            and parallel_state.get_tensor_model_parallel_rank() == 0
-            and parallel_state.get_context_parallel_rank() == 0
-        )
-        if contributes:
-            for out in outputs:
-                report[0] += out["loss_sum"].float().cpu()
-                report[1] += out["count"].float().cpu()
-                report[3:] += out["stats"].flatten().cpu()
-            if parallel_state.get_data_parallel_rank() == 0:
-                report[2] = grad_norm
-        report = report.to(self._comm_device)
-        dist.all_reduce(report)
-        report = report.cpu()
-        rows = dict(zip(STAT_ROWS, report[3:].view(R, K)))
-        count = rows["count"].clamp(min=1)
-        mean = {name: (value / count).tolist() for name, value in rows.items()}
-        return StepMetrics(
-            step=self.step,
-            loss=float(report[0] / report[1].clamp(min=1)),
-            grad_norm=float(report[2]),
-            lr=self.current_lr() if lr is None else lr,
-            top1=mean["top1_correct"],
-            ce=mean["ce_sum"],
-            alpha_rs=mean["alpha_rs"],
-            alpha_to=mean["alpha_to"],
-            entropy_target=mean["entropy_target"],
-            entropy_draft=mean["entropy_draft"],
-            kl=mean["kl"],
-            accept_len_rs=mean["accept_len_rs"],
-            accept_len_to=mean["accept_len_to"],
+        return reduce_step_metrics(
+            outputs, grad_norm, num_steps=self.cfg.mtp.num_steps, has_mtp=self.has_mtp,
+            comm_device=self._comm_device, step=self.step, lr=self.current_lr() if lr is None else lr,
         )
 
     # ---------------------------------------------------------------- loop
@@ -428,26 +376,11 @@ class Trainer:
         raise Preempted(message)
 
     def format(self, m: StepMetrics, elapsed: float) -> str:
-        steps = self.cfg.train.steps
-        eta = elapsed / max(len(range(m.step)), 1) * (steps - m.step)
-        return (
-            f"step {m.step:>5}/{steps} | {self.cfg.loss.type} {m.loss:.4f} | alpha_RS [{per_step(m.alpha_rs)}] | "
-            f"E[L] {m.accept_len_rs[-1]:.2f} | top1 [{per_step(m.top1)}] | H(p) {m.entropy_target[0]:.2f} | "
-            f"grad_norm {m.grad_norm:.3f} | "
-            f"lr {m.lr:.2e} | {m.tokens_per_s:,.0f} tok/s | "
-            + (f"MFU {m.extra['mfu']:.1%} | " if m.extra.get("mfu") is not None else "")
-            + (f"mem {m.extra['peak_mem_gib']:.2f} GiB | " if "peak_mem_gib" in m.extra else "")
-            + (f"skipped {self.guard.total} | " if self.guard.total else "")
-            + f"ETA {eta:.0f}s"
-        )
+        return step_line(m, elapsed, steps=self.cfg.train.steps, loss_type=self.cfg.loss.type,
+                         skipped_total=self.guard.total)
 
     def format_eval(self, m: StepMetrics, seconds: float) -> str:
-        return (
-            f"eval  {m.step:>5} | {m.extra['rows']} rows | {self.cfg.loss.type} {m.loss:.4f} | "
-            f"alpha_RS [{per_step(m.alpha_rs)}] | alpha_TO [{per_step(m.alpha_to)}] | "
-            f"E[L] RS [{per_step(m.accept_len_rs)}] TO [{per_step(m.accept_len_to)}] | "
-            f"top1 [{per_step(m.top1)}] | H(p) {m.entropy_target[0]:.2f} | {seconds:.1f}s"
-        )
+        return eval_line(m, seconds, loss_type=self.cfg.loss.type)
 
     def summary(self) -> str:
         total, trainable = count_parameters(self.model)
@@ -462,25 +395,3 @@ class Trainer:
             f"K={c.mtp.num_steps} MTP steps over {c.mtp.num_layers} layer(s) | loss {c.loss.type}"
         )
 
-
-def count_parameters(model) -> tuple[int, int]:
-    """This rank's share of the (total, trainable) parameter counts: summed over all ranks
-    it gives the model size, each weight counted once (no TP/DP/expert-DP replicas, no MTP
-    stage copy of the embedding)."""
-    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-    module = getattr(model, "module", model)
-    dense_owner = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    expert_owner = parallel_state.get_expert_data_parallel_rank() == 0
-    total = trainable = 0
-    for name, param in module.named_parameters():
-        is_expert = getattr(param, "allreduce", True) is False
-        if not (expert_owner if is_expert else dense_owner):
-            continue
-        if not param_is_not_tensor_parallel_duplicate(param):
-            continue
-        if name.startswith("embedding.") and not module.pre_process:
-            continue  # the last stage's embedding copy (for MTP inputs) is not a new weight
-        total += param.numel()
-        trainable += param.numel() if param.requires_grad else 0
-    return total, trainable

@@ -85,7 +85,7 @@ def build_backbone(model_dir: Path):
     from bebop_megatron.config import load_config
     from bebop_megatron.model import build_model
     from bebop_megatron.platform import init_distributed
-    from bebop_megatron.training.checkpoint import load_model_weights
+    from bebop_megatron.training.model_weights import load_model_weights
     from bebop_megatron.training.parallel import setup_parallel
 
     cfg = load_config(str(model_dir / "bebop_model.yaml"),

@@ -151,7 +151,7 @@ def run_one(name: str, cfg, args, out: Results, *, save_head: Path | None = None
     import torch
 
     from bebop_megatron.training import Trainer
-    from bebop_megatron.training.checkpoint import save_model_checkpoint
+    from bebop_megatron.training.model_weights import save_model_checkpoint
 
     t0 = time.time()
     trainer = Trainer(cfg, log=lambda *a, **k: None if not args.verbose else print(*a, **k))

@@ -33,7 +33,7 @@ def main() -> None:
 
     from bebop_megatron.model import build_model
     from bebop_megatron.platform import init_distributed
-    from bebop_megatron.training.checkpoint import load_model_weights
+    from bebop_megatron.training.model_weights import load_model_weights
     from bebop_megatron.training.parallel import setup_parallel
 
     rank, world = init_distributed("cpu")

@@ -47,7 +47,7 @@ def check(ckpt: str, hf_dir: str, family: str, layouts: list[str], rank: int, wo
     from megatron.core import parallel_state, tensor_parallel
 
     from bebop_megatron.model import build_model
-    from bebop_megatron.training.checkpoint import load_model_weights
+    from bebop_megatron.training.model_weights import load_model_weights
     from bebop_megatron.training.parallel import setup_parallel
     from tests.helpers.convert_models import hf_logits
 

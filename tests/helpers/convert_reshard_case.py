@@ -28,7 +28,7 @@ def main() -> None:
 
     from bebop_megatron.model import build_model
     from bebop_megatron.platform import init_distributed
-    from bebop_megatron.training.checkpoint import load_model_weights, save_model_checkpoint
+    from bebop_megatron.training.model_weights import load_model_weights, save_model_checkpoint
     from bebop_megatron.training.parallel import setup_parallel
 
     cfg = load_config(os.path.join(args.ckpt, "bebop_model.yaml"),

@@ -38,6 +38,7 @@ def main() -> None:
     cfg = load_config(overrides=args.overrides)
 
     from bebop_megatron.training import checkpoint as ckpt
+    from bebop_megatron.training import model_weights
     from bebop_megatron.training import trainer as trainer_module
 
     trainer = trainer_module.Trainer(cfg)
@@ -45,7 +46,7 @@ def main() -> None:
     with open(f"{args.stream}.pid{rank}", "w") as f:
         f.write(str(os.getpid()))
     if args.save_model:
-        ckpt.save_model_checkpoint(args.save_model, trainer.model)
+        model_weights.save_model_checkpoint(args.save_model, trainer.model)
 
     nan_steps = {int(s) for s in args.nan_steps.split(",") if s}
     if nan_steps:

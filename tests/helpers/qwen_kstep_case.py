@@ -31,7 +31,7 @@ def main() -> None:
     from bebop_megatron.config import load_config
     from bebop_megatron.convert import megatron_io, qwen_verify
     from bebop_megatron.convert.hf_io import read_all
-    from bebop_megatron.training.checkpoint import load_model_weights
+    from bebop_megatron.training.model_weights import load_model_weights
 
     result = {"post": [], "pre": []}
     for case in json.load(open(args.spec)):

@@ -30,7 +30,7 @@ from megatron.core import dist_checkpointing
 from bebop_megatron.model import is_mtp_param
 from megatron.core import parallel_state
 from bebop_megatron.training import Trainer
-from bebop_megatron.training.checkpoint import (
+from bebop_megatron.training.model_weights import (
     _filtered_sharded_state_dict,
     save_model_checkpoint,
     use_in_process_write_results,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from bebop_megatron.config import load_config
 from bebop_megatron.training import Trainer
-from bebop_megatron.training.checkpoint import save_model_checkpoint
+from bebop_megatron.training.model_weights import save_model_checkpoint
 
 
 def apply(op: list[str]) -> None:
