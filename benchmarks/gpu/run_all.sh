@@ -11,8 +11,9 @@
 #             and where each step's kernel time goes (--profile: GEMMs, Triton, reductions, elementwise)
 #   2. step   benchmarks/gpu/bench_train_step.py: frozen-backbone steps of a 1.43B random dense model,
 #             bf16, local layer spec: tokens/s, MFU, peak memory, before/after in one run: the unfused
-#             attention at micro-batch 1 (the earlier runs), then SDPA at micro-batch 1, 2 and 4
-#   3. tests  pytest -m gpu tests/test_kernel_triton.py (the Triton kernels on CUDA, production sizes)
+#             attention at micro-batch 1 (the earlier runs), then SDPA at micro-batch 1 and 4
+#   3. tests  pytest -m gpu tests/test_kernel_triton.py tests/test_lk_triton.py (the Triton kernels on CUDA,
+#             production sizes; the TV+KL kind of lk / e2e_lk)
 # Rows go to DIR/results_gpu.csv (the GPU's name in the machine column); append them to
 # benchmarks/results.csv with: tail -n +2 DIR/results_gpu.csv >> benchmarks/results.csv
 #
@@ -54,16 +55,16 @@ if [ $dry = 0 ]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$outdir/gpu.txt"
   loss=(--impls torch,triton --device cuda --dtype bf16 --steps 3 --tokens 8192 --hidden 4096 --vocab 151936
         --iters 3 --warmup 1 --profile)
-  step=(--device cuda --precision bf16 --variants unfused:1,sdpa:1,sdpa:2,sdpa:4)
-  tests=(-m gpu --durations=5 tests/test_kernel_triton.py)
-  limits=(90 270 210)
+  step=(--device cuda --precision bf16 --variants unfused:1,sdpa:1,sdpa:4)
+  tests=(-m gpu --durations=5 tests/test_kernel_triton.py tests/test_lk_triton.py)
+  limits=(90 240 240)
 else
   export BEBOP_ALLOW_SLOW_BF16=1  # bf16 on the CPU at tiny sizes: slow GEMMs do not matter here
   loss=(--impls torch --device cpu --dtype bf16 --steps 3 --tokens 48 --hidden 32 --vocab 500 --chunk-tokens 32
         --iters 1 --warmup 0 --profile)
   step=(--device cpu --precision bf16 --layers 2 --hidden 64 --ffn 128 --heads 4 --groups 2 --vocab 256 --seq 32
         --global-batch 4 --steps 1 --warmup 1 --variants unfused:1,sdpa:2)
-  tests=(--collect-only -m gpu tests/test_kernel_triton.py)
+  tests=(--collect-only -m gpu tests/test_kernel_triton.py tests/test_lk_triton.py)
   limits=(120 120 120)
 fi
 
