@@ -25,9 +25,9 @@ _LINK = re.compile(r"(?<!\\)\[((?:[^\[\]\\]|\\.|\[[^\[\]]*\])*)\]\(\s*(<[^>]*>|[
 _HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 
 
-def _prose_lines(text: str) -> list[str]:
-    """The lines outside fenced code blocks, with inline code spans blanked."""
-    lines, fence = [], None
+def _outside_fences(text: str):
+    """The lines of ``text`` outside fenced code blocks."""
+    fence = None
     for line in text.splitlines():
         m = _FENCE.match(line)
         if fence is None and m:
@@ -37,8 +37,12 @@ def _prose_lines(text: str) -> list[str]:
             if line.strip().startswith(fence):
                 fence = None
             continue
-        lines.append(_CODE_SPAN.sub(lambda s: " " * len(s.group(0)), line))
-    return lines
+        yield line
+
+
+def _prose_lines(text: str) -> list[str]:
+    """The lines outside fenced code blocks, with inline code spans blanked."""
+    return [_CODE_SPAN.sub(lambda s: " " * len(s.group(0)), line) for line in _outside_fences(text)]
 
 
 def github_anchor(heading: str) -> str:
@@ -54,16 +58,7 @@ def anchors(path: Path) -> set[str]:
     """The anchors of a Markdown file's headings (a repeated one gets -1, -2, ... as on GitHub)."""
     seen: dict[str, int] = {}
     out = set()
-    fence = None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        m = _FENCE.match(line)
-        if fence is None and m:
-            fence = m.group(1)[0] * 3
-            continue
-        if fence is not None:
-            if line.strip().startswith(fence):
-                fence = None
-            continue
+    for line in _outside_fences(path.read_text(encoding="utf-8")):
         h = _HEADING.match(line)
         if not h:
             continue
