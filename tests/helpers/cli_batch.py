@@ -11,6 +11,7 @@ with its stdout, stderr and exit status recorded separately.
 ``calls.json``: ``[{"tool": "convert_to_hf", "argv": [...]}, ...]``; the pseudo-tool
 ``record_mtp`` (argv ``SRC DST KEY=VALUE...``) copies a model checkpoint and sets ``mtp``
 fields of its ``bebop_model.yaml`` (e.g. ``next_step_input=pre_norm``: heads trained that way);
+the pseudo-tool ``copytree`` (argv ``SRC DST``) copies a directory;
 ``results.json``: ``[{"returncode": int, "stdout": str, "stderr": str}, ...]`` in the same order.
 A tool is looked up in ``tools/``, then ``examples/`` (``pretrain_mtp``: its ``main()`` reads
 ``sys.argv``, which is set to the call's argv). Under torchrun (``run_batch(..., nproc=2)``)
@@ -112,6 +113,12 @@ def main() -> None:
     for call in calls:
         if call["tool"] == "record_mtp":
             results.append(record_mtp(call["argv"]))
+            continue
+        if call["tool"] == "copytree":
+            import shutil
+
+            shutil.copytree(*call["argv"])
+            results.append({"returncode": 0, "stdout": "", "stderr": ""})
             continue
         if call["tool"] not in tools:
             tools[call["tool"]] = _tool(call["tool"])
