@@ -37,9 +37,10 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    """All families converted in one process (tests/helpers/cli_batch.py), then every
-    family's layouts checked in one 2-rank launch: ``family -> (model dir, rel_err per layout)``."""
+def converted(tmp_path_factory):
+    """All families and the broken inputs of ``errors`` converted in one process
+    (tests/helpers/cli_batch.py), then every family's layouts checked in one 2-rank launch:
+    ``(family -> (model dir, rel_err per layout), broken input name -> result)``."""
     root = tmp_path_factory.mktemp("import")
     calls, cases = [], []
     for family, layouts in LAYOUTS.items():
@@ -48,12 +49,22 @@ def imported(tmp_path_factory):
         calls.append({"tool": "convert_from_hf", "argv": ["--hf-dir", str(hf_dir), "--out", str(ckpt),
                                                           "--max-tensor-parallel", "2", "--no-progress"]})
         cases.append({"ckpt": str(ckpt), "hf_dir": str(hf_dir), "family": family, "layouts": layouts})
-    for family, proc in zip(LAYOUTS, run_batch(calls, root / "batch")):
+    broken, out_dir = broken_inputs(root / "import_errors"), root / "import_errors" / "out"
+    calls += [{"tool": "convert_from_hf", "argv": ["--hf-dir", str(path), "--out", str(out_dir / name)]}
+              for name, path in broken.items()]
+    results = run_batch(calls, root / "batch")
+    for family, proc in zip(LAYOUTS, results):
         assert proc.returncode == 0, (family, proc.stderr[-3000:])
     (root / "cases.json").write_text(json.dumps(cases))
     run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json")], 2)
     errors = json.loads((root / "result.json").read_text())["rel_err"]
-    return {family: (root / family, err) for family, err in zip(LAYOUTS, errors)}
+    return ({family: (root / family, err) for family, err in zip(LAYOUTS, errors)},
+            {**dict(zip(broken, results[len(LAYOUTS):])), "out_dir": out_dir})
+
+
+@pytest.fixture(scope="module")
+def imported(converted):
+    return converted[0]
 
 
 @pytest.mark.parametrize("family", list(LAYOUTS))
@@ -98,12 +109,11 @@ def _copy(src, dst):
     return dst
 
 
-@pytest.fixture(scope="module")
-def errors(tmp_path_factory):
-    """Broken inputs, each converted once, all in one process: ``name -> result``."""
+def broken_inputs(root) -> dict:
+    """Broken inputs under ``root`` (each converted once, in the ``converted`` fixture's process):
+    ``name -> hf dir``."""
     from safetensors.torch import load_file, save_file
 
-    root = tmp_path_factory.mktemp("import_errors")
     good = make_hf_model("qwen2", root / "good")
     inputs = {"missing_dir": root / "nowhere"}
     d = inputs["unknown_arch"] = _copy(good, root / "unknown_arch")
@@ -131,11 +141,13 @@ def errors(tmp_path_factory):
         if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template")):
             (d / name).unlink()
     (d / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7}))
-    calls = [{"tool": "convert_from_hf", "argv": ["--hf-dir", str(path), "--out", str(root / "out" / name)]}
-             for name, path in inputs.items()]
-    results = dict(zip(inputs, run_batch(calls, root / "batch")))
-    results["out_dir"] = root / "out"
-    return results
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def errors(converted):
+    """``name -> result`` of each broken input's conversion, and ``out_dir``."""
+    return converted[1]
 
 
 def test_error_unknown_architecture(errors):
