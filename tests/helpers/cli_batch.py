@@ -15,7 +15,9 @@ the pseudo-tool ``copytree`` (argv ``SRC DST``) copies a directory;
 ``results.json``: ``[{"returncode": int, "stdout": str, "stderr": str}, ...]`` in the same order.
 A tool is looked up in ``tools/``, then ``examples/`` (``pretrain_mtp``: its ``main()`` reads
 ``sys.argv``, which is set to the call's argv). Under torchrun (``run_batch(..., nproc=2)``)
-every rank makes every call, as each rank of a launched tool would; rank 0's results are
+every rank makes every call, as each rank of a launched tool would, except a call with
+``"alone": true``, which rank 0 makes by itself, as a single-process run in a process group of
+its own (destroyed after it), while the other ranks go on to the next call; rank 0's results are
 returned. From a test: :func:`run_batch`.
 """
 
@@ -29,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,6 +70,33 @@ def _call(tool, argv: list[str]) -> dict:
             traceback.print_exc(file=err)
             code = f"uncaught {type(exc).__name__}"
     return {"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """A torchrun rank's environment made that of a single process (its own store and port),
+    and the process group it initialised destroyed afterwards."""
+    import torch.distributed as dist
+
+    from tests.helpers.launch import _free_port
+
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(_free_port()))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def record_mtp(argv: list[str]) -> dict:
@@ -110,7 +140,23 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     tools: dict = {}
     results = []
-    for call in calls:
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    done_alone = None  # rank 0 marks each call it made alone; the others wait for it before the next call
+    for i, call in enumerate(calls):
+        if call.get("alone") and world > 1:
+            done_alone = Path(f"{sys.argv[2]}.alone{i}")
+            if rank != 0:
+                results.append({"returncode": 0, "stdout": "", "stderr": f"(made by rank 0 alone, not rank {rank})"})
+                continue
+            if call["tool"] not in tools:
+                tools[call["tool"]] = _tool(call["tool"])
+            with world_of_one():
+                results.append(_call(tools[call["tool"]], call["argv"]))
+            done_alone.write_text("done")
+            continue
+        if done_alone is not None and rank != 0:
+            while not done_alone.exists():
+                time.sleep(0.05)
         if call["tool"] == "record_mtp":
             results.append(record_mtp(call["argv"]))
             continue
@@ -123,7 +169,6 @@ def main() -> None:
         if call["tool"] not in tools:
             tools[call["tool"]] = _tool(call["tool"])
         results.append(_call(tools[call["tool"]], call["argv"]))
-    rank = int(os.environ.get("RANK", "0"))
     Path(sys.argv[2] + (f".rank{rank}" if rank else "")).write_text(json.dumps(results))
 
 
