@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from tests.helpers.cli_batch import run_batch
+from tests.helpers.cli_batch import read_results, write_calls
 from tests.helpers.convert_models import make_hf_model
 from tests.helpers.launch import run_script
 
@@ -38,8 +38,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """All families and the broken inputs of ``errors`` converted in one process
-    (tests/helpers/cli_batch.py), then every family's layouts checked in one 2-rank launch:
+    """One 2-rank launch (tests/helpers/convert_logits_case.py): rank 0 alone first converts all
+    families and the broken inputs of ``errors``, each as the tool's command line, as a single
+    process (tests/helpers/cli_batch.py), then every family's layouts are checked on both ranks:
     ``(family -> (model dir, rel_err per layout), broken input name -> result)``."""
     root = tmp_path_factory.mktemp("import")
     calls, cases = [], []
@@ -52,11 +53,13 @@ def converted(tmp_path_factory):
     broken, out_dir = broken_inputs(root / "import_errors"), root / "import_errors" / "out"
     calls += [{"tool": "convert_from_hf", "argv": ["--hf-dir", str(path), "--out", str(out_dir / name)]}
               for name, path in broken.items()]
-    results = run_batch(calls, root / "batch")
+    calls_file, results_file = write_calls(calls, root / "batch")
+    (root / "cases.json").write_text(json.dumps(cases))
+    run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json"),
+                                          "--calls", str(calls_file), "--results", str(results_file)], 2)
+    results = read_results(calls, results_file)
     for family, proc in zip(LAYOUTS, results):
         assert proc.returncode == 0, (family, proc.stderr[-3000:])
-    (root / "cases.json").write_text(json.dumps(cases))
-    run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json")], 2)
     errors = json.loads((root / "result.json").read_text())["rel_err"]
     return ({family: (root / family, err) for family, err in zip(LAYOUTS, errors)},
             {**dict(zip(broken, results[len(LAYOUTS):])), "out_dir": out_dir})

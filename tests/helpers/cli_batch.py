@@ -114,13 +114,26 @@ def record_mtp(argv: list[str]) -> dict:
     return {"returncode": 0, "stdout": "", "stderr": ""}
 
 
+def write_calls(calls: list[dict], workdir: Path) -> tuple[Path, Path]:
+    """``(calls file, results file)`` in ``workdir`` for a batch run by another launch
+    (e.g. tests/helpers/convert_logits_case.py ``--calls``); read back with :func:`read_results`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    calls_file, results_file = workdir / "calls.json", workdir / "results.json"
+    calls_file.write_text(json.dumps(calls))
+    return calls_file, results_file
+
+
+def read_results(calls: list[dict], results_file: Path) -> list[subprocess.CompletedProcess]:
+    results = json.loads(results_file.read_text())
+    return [subprocess.CompletedProcess(c["argv"], r["returncode"], r["stdout"], r["stderr"])
+            for c, r in zip(calls, results)]
+
+
 def run_batch(calls: list[dict], workdir: Path, timeout: int = 600,
               nproc: int = 1) -> list[subprocess.CompletedProcess]:
     """Run ``calls`` in one subprocess (``nproc`` > 1: one torchrun launch of that many CPU
     ranks); one ``CompletedProcess``-like result per call (rank 0's)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    calls_file, results_file = workdir / "calls.json", workdir / "results.json"
-    calls_file.write_text(json.dumps(calls))
+    calls_file, results_file = write_calls(calls, workdir)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["OMP_NUM_THREADS"] = "1"
     from tests.helpers.launch import _free_port
@@ -130,21 +143,19 @@ def run_batch(calls: list[dict], workdir: Path, timeout: int = 600,
     proc = subprocess.run([sys.executable, *launcher, __file__, str(calls_file), str(results_file)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(results_file.read_text())
-    return [subprocess.CompletedProcess(c["argv"], r["returncode"], r["stdout"], r["stderr"])
-            for c, r in zip(calls, results)]
+    return read_results(calls, results_file)
 
 
-def main() -> None:
-    calls = json.loads(Path(sys.argv[1]).read_text())
-    sys.path.insert(0, str(REPO))
+def make_calls(calls: list[dict], results_path: str) -> None:
+    """Make ``calls`` in this process (every rank, under torchrun) and write rank 0's results
+    to ``results_path``; other ranks return once rank 0's ``alone`` calls are made."""
     tools: dict = {}
     results = []
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     done_alone = None  # rank 0 marks each call it made alone; the others wait for it before the next call
     for i, call in enumerate(calls):
         if call.get("alone") and world > 1:
-            done_alone = Path(f"{sys.argv[2]}.alone{i}")
+            done_alone = Path(f"{results_path}.alone{i}")
             if rank != 0:
                 results.append({"returncode": 0, "stdout": "", "stderr": f"(made by rank 0 alone, not rank {rank})"})
                 continue
@@ -169,7 +180,15 @@ def main() -> None:
         if call["tool"] not in tools:
             tools[call["tool"]] = _tool(call["tool"])
         results.append(_call(tools[call["tool"]], call["argv"]))
-    Path(sys.argv[2] + (f".rank{rank}" if rank else "")).write_text(json.dumps(results))
+    if done_alone is not None and rank != 0:
+        while not done_alone.exists():
+            time.sleep(0.05)
+    Path(results_path + (f".rank{rank}" if rank else "")).write_text(json.dumps(results))
+
+
+def main() -> None:
+    sys.path.insert(0, str(REPO))
+    make_calls(json.loads(Path(sys.argv[1]).read_text()), sys.argv[2])
 
 
 if __name__ == "__main__":
