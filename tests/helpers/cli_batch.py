@@ -146,6 +146,19 @@ def run_batch(calls: list[dict], workdir: Path, timeout: int = 600,
     return read_results(calls, results_file)
 
 
+def _make(call: dict, tools: dict) -> dict:
+    if call["tool"] == "record_mtp":
+        return record_mtp(call["argv"])
+    if call["tool"] == "copytree":
+        import shutil
+
+        shutil.copytree(*call["argv"])
+        return {"returncode": 0, "stdout": "", "stderr": ""}
+    if call["tool"] not in tools:
+        tools[call["tool"]] = _tool(call["tool"])
+    return _call(tools[call["tool"]], call["argv"])
+
+
 def make_calls(calls: list[dict], results_path: str) -> None:
     """Make ``calls`` in this process (every rank, under torchrun) and write rank 0's results
     to ``results_path``; other ranks return once rank 0's ``alone`` calls are made."""
@@ -159,27 +172,14 @@ def make_calls(calls: list[dict], results_path: str) -> None:
             if rank != 0:
                 results.append({"returncode": 0, "stdout": "", "stderr": f"(made by rank 0 alone, not rank {rank})"})
                 continue
-            if call["tool"] not in tools:
-                tools[call["tool"]] = _tool(call["tool"])
             with world_of_one():
-                results.append(_call(tools[call["tool"]], call["argv"]))
+                results.append(_make(call, tools))
             done_alone.write_text("done")
             continue
         if done_alone is not None and rank != 0:
             while not done_alone.exists():
                 time.sleep(0.05)
-        if call["tool"] == "record_mtp":
-            results.append(record_mtp(call["argv"]))
-            continue
-        if call["tool"] == "copytree":
-            import shutil
-
-            shutil.copytree(*call["argv"])
-            results.append({"returncode": 0, "stdout": "", "stderr": ""})
-            continue
-        if call["tool"] not in tools:
-            tools[call["tool"]] = _tool(call["tool"])
-        results.append(_call(tools[call["tool"]], call["argv"]))
+        results.append(_make(call, tools))
     if done_alone is not None and rank != 0:
         while not done_alone.exists():
             time.sleep(0.05)
