@@ -75,10 +75,18 @@ def _call(tool, argv: list[str]) -> dict:
 @contextlib.contextmanager
 def world_of_one():
     """A torchrun rank's environment made that of a single process (its own store and port),
-    and the process group it initialised destroyed afterwards."""
+    and the process group it initialised destroyed afterwards. This rank's part of the launch's
+    process group, if a previous call initialised one, is destroyed first: later calls that need
+    the ranks together cannot follow."""
     import torch.distributed as dist
 
     from tests.helpers.launch import _free_port
+
+    if dist.is_initialized():
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
 
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
     saved = {name: os.environ.get(name) for name in names}
