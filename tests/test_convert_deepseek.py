@@ -15,8 +15,8 @@ one NextN layer stored as the published checkpoints store it): plain RoPE, and Y
   for heads trained post-norm (and SGLang fails at step 2 for pre-norm heads);
 - HF -> Megatron -> HF reproduces every tensor bit-exactly (both models);
 - what the key map cannot represent is refused with one line naming it.
-The conversions and exports run in one process (tests/helpers/cli_batch.py, each as the
-tool's command line) and both models' layouts in one 2-rank launch, to keep this file short.
+The conversions and exports (tests/helpers/cli_batch.py, each as the tool's command line) and
+both models' layouts run in one 2-rank launch, to keep this file short.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers.cli_batch import run_batch
+from tests.helpers.cli_batch import read_results, write_calls
 from tests.helpers.convert_models import make_hf_model
 from tests.helpers.handoff_checks import failed_at_step_2
 from tests.helpers.launch import run_script
@@ -72,8 +72,9 @@ def ok(proc):
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    """Both models imported and exported in one process, then their layouts checked in one
-    2-rank launch. Returns ``(root, results by call name, rel_err per model)``."""
+    """One 2-rank launch (tests/helpers/convert_logits_case.py): rank 0 alone first imports and
+    exports both models as a single process (tests/helpers/cli_batch.py), then their layouts are
+    checked on both ranks. Returns ``(root, results by call name, rel_err per model)``."""
     root = tmp_path_factory.mktemp("deepseek")
     calls, names, cases = [], [], []
 
@@ -106,11 +107,13 @@ def deepseek(tmp_path_factory):
                                     target, "--mtp-only", "--out", str(root / "out" / name.replace("/", "_")), *extra])
     add("yarn/vllm/False", "convert_to_hf", ["--checkpoint", str(root / "yarn" / "megatron"), "--format", "deepseek",
                                              "--target", "vllm", "--out", str(root / "out" / "yarn_vllm_False")])
-    results = dict(zip(names, run_batch(calls, root / "batch")))
+    calls_file, results_file = write_calls(calls, root / "batch")
+    (root / "cases.json").write_text(json.dumps(cases))
+    run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json"),
+                                          "--calls", str(calls_file), "--results", str(results_file)], 2)
+    results = dict(zip(names, read_results(calls, results_file)))
     for name in [*MODELS, "rope2"]:
         ok(results[f"import/{name}"])
-    (root / "cases.json").write_text(json.dumps(cases))
-    run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json")], 2)
     errors = dict(zip(MODELS, json.loads((root / "result.json").read_text())["rel_err"]))
     return root, results, errors
 

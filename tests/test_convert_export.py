@@ -22,7 +22,8 @@ transformers' classes, are imported with ``tools/convert_from_hf.py``. Checked:
 
 The conversions and exports that need no multi-rank run execute in one process (the
 ``batch`` fixture, tests/helpers/cli_batch.py), each exactly as the tool's command line; those
-of the checkpoints written by multi-rank runs in a second one (the ``launched`` fixture).
+of the checkpoints written by multi-rank runs after the training run, in its launch (the
+``launched`` fixture).
 """
 
 from __future__ import annotations
@@ -251,17 +252,17 @@ def launched(batch, tmp_path_factory):
     - ``resaved``: the GLM checkpoint re-saved at PP=2 x TP=2 with SP and EP=2 (4 ranks);
     - ``run``: the user's path, training on the imported MiMo backbone at TP=2 (2 ranks), the
       MTP-only training checkpoint exported with and without ``--backbone``, and
-      ``tools/speculative_generate.py`` on it and on its full export."""
+      ``tools/speculative_generate.py`` on it and on its full export (in the training's launch,
+      on rank 0 alone)."""
     root = batch[0]
     mimo, tmp = root / "mimo", tmp_path_factory.mktemp("launched")
     resaved, save = tmp / "resaved", tmp / "run"
     run_script("convert_reshard_case.py", ["--ckpt", str(root / "glm" / "megatron"), "--out", str(resaved),
                                            *GLM_RESHARD], 4)
-    run_script(str(REPO / "examples" / "pretrain_mtp.py"), [
-        "--config", str(mimo / "megatron" / "bebop_model.yaml"), "device=cpu", "parallel.tensor=2",
-        f"model.init_checkpoint={mimo / 'megatron'}", "train.steps=2", "train.micro_batch_size=2",
-        "train.global_batch_size=2", "train.seq_length=16", "train.lr=1e-2", f"save.dir={save}",
-        "data.num_samples=16", "mtp.num_steps=2"], 2)  # the one MTP layer repeated for 2 steps
+    train = ["--config", str(mimo / "megatron" / "bebop_model.yaml"), "device=cpu", "parallel.tensor=2",
+             f"model.init_checkpoint={mimo / 'megatron'}", "train.steps=2", "train.micro_batch_size=2",
+             "train.global_batch_size=2", "train.seq_length=16", "train.lr=1e-2", f"save.dir={save}",
+             "data.num_samples=16", "mtp.num_steps=2"]  # the one MTP layer repeated for 2 steps
     spec = ["--prompts", str(REPO / "examples" / "data" / "tiny_valid.jsonl"), "--limit", "2", "--gamma", "2",
             "--max-new-tokens", "10", "--seed", "3"]
     calls = {
@@ -277,8 +278,13 @@ def launched(batch, tmp_path_factory):
         "decode_full": ("speculative_generate", ["--checkpoint", str(tmp / "full"), *spec, "--json", str(tmp / "b")]),
         "decode_mtp_only": ("speculative_generate", ["--checkpoint", str(tmp / "o"), *spec]),
     }
-    results = run_batch([{"tool": tool, "argv": (["--no-progress"] if tool == "convert_to_hf" else []) + argv}
-                         for tool, argv in calls.values()], tmp / "batch")
+    # One 2-rank launch: the training run on both ranks, then rank 0 alone (a single process with a
+    # process group of its own, tests/helpers/cli_batch.py) makes every export and decode.
+    trained, *results = run_batch(
+        [{"tool": "pretrain_mtp", "argv": train}]
+        + [{"tool": tool, "alone": True, "argv": (["--no-progress"] if tool == "convert_to_hf" else []) + argv}
+           for tool, argv in calls.values()], tmp / "batch", nproc=2)
+    ok(trained)
     return tmp, dict(zip(calls, results))
 
 

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from tests.helpers.cli_batch import run_batch
+from tests.helpers.cli_batch import read_results, write_calls
 from tests.helpers.convert_models import make_hf_model
 from tests.helpers.launch import run_script
 
@@ -37,9 +37,11 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory):
-    """All families converted in one process (tests/helpers/cli_batch.py), then every
-    family's layouts checked in one 2-rank launch: ``family -> (model dir, rel_err per layout)``."""
+def converted(tmp_path_factory):
+    """One 2-rank launch (tests/helpers/convert_logits_case.py): rank 0 alone first converts all
+    families and the broken inputs of ``errors``, each as the tool's command line, as a single
+    process (tests/helpers/cli_batch.py), then every family's layouts are checked on both ranks:
+    ``(family -> (model dir, rel_err per layout), broken input name -> result)``."""
     root = tmp_path_factory.mktemp("import")
     calls, cases = [], []
     for family, layouts in LAYOUTS.items():
@@ -48,12 +50,24 @@ def imported(tmp_path_factory):
         calls.append({"tool": "convert_from_hf", "argv": ["--hf-dir", str(hf_dir), "--out", str(ckpt),
                                                           "--max-tensor-parallel", "2", "--no-progress"]})
         cases.append({"ckpt": str(ckpt), "hf_dir": str(hf_dir), "family": family, "layouts": layouts})
-    for family, proc in zip(LAYOUTS, run_batch(calls, root / "batch")):
-        assert proc.returncode == 0, (family, proc.stderr[-3000:])
+    broken, out_dir = broken_inputs(root / "import_errors"), root / "import_errors" / "out"
+    calls += [{"tool": "convert_from_hf", "argv": ["--hf-dir", str(path), "--out", str(out_dir / name)]}
+              for name, path in broken.items()]
+    calls_file, results_file = write_calls(calls, root / "batch")
     (root / "cases.json").write_text(json.dumps(cases))
-    run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json")], 2)
+    run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json"),
+                                          "--calls", str(calls_file), "--results", str(results_file)], 2)
+    results = read_results(calls, results_file)
+    for family, proc in zip(LAYOUTS, results):
+        assert proc.returncode == 0, (family, proc.stderr[-3000:])
     errors = json.loads((root / "result.json").read_text())["rel_err"]
-    return {family: (root / family, err) for family, err in zip(LAYOUTS, errors)}
+    return ({family: (root / family, err) for family, err in zip(LAYOUTS, errors)},
+            {**dict(zip(broken, results[len(LAYOUTS):])), "out_dir": out_dir})
+
+
+@pytest.fixture(scope="module")
+def imported(converted):
+    return converted[0]
 
 
 @pytest.mark.parametrize("family", list(LAYOUTS))
@@ -98,12 +112,11 @@ def _copy(src, dst):
     return dst
 
 
-@pytest.fixture(scope="module")
-def errors(tmp_path_factory):
-    """Broken inputs, each converted once, all in one process: ``name -> result``."""
+def broken_inputs(root) -> dict:
+    """Broken inputs under ``root`` (each converted once, in the ``converted`` fixture's process):
+    ``name -> hf dir``."""
     from safetensors.torch import load_file, save_file
 
-    root = tmp_path_factory.mktemp("import_errors")
     good = make_hf_model("qwen2", root / "good")
     inputs = {"missing_dir": root / "nowhere"}
     d = inputs["unknown_arch"] = _copy(good, root / "unknown_arch")
@@ -131,11 +144,13 @@ def errors(tmp_path_factory):
         if name.startswith(("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template")):
             (d / name).unlink()
     (d / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7}))
-    calls = [{"tool": "convert_from_hf", "argv": ["--hf-dir", str(path), "--out", str(root / "out" / name)]}
-             for name, path in inputs.items()]
-    results = dict(zip(inputs, run_batch(calls, root / "batch")))
-    results["out_dir"] = root / "out"
-    return results
+    return inputs
+
+
+@pytest.fixture(scope="module")
+def errors(converted):
+    """``name -> result`` of each broken input's conversion, and ``out_dir``."""
+    return converted[1]
 
 
 def test_error_unknown_architecture(errors):

@@ -21,7 +21,6 @@ import pytest
 
 from tests.helpers.cli_batch import run_batch
 from tests.helpers.convert_models import make_hf_model
-from tests.helpers.launch import REPO, run_script
 
 TRAIN = ["device=cpu", "parallel.tensor=1", "train.steps=1", "train.micro_batch_size=2", "train.global_batch_size=2",
          "train.seq_length=16", "data.num_samples=8"]
@@ -32,19 +31,15 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("backbone")
     for name, seed in (("a", 0), ("b", 1)):
         make_hf_model("mimo", root / name / "hf", seed=seed)
+    a, moved = root / "a" / "megatron", root / "moved" / "a" / "megatron"
+    # One process (tests/helpers/cli_batch.py): the imports, the training run, then the exports.
     imports = [{"tool": "convert_from_hf", "argv": ["--no-progress", "--hf-dir", str(root / src / "hf"), "--out",
                                                     str(root / dst / "megatron"), "--max-tensor-parallel", "1"]}
                for src, dst in (("a", "a"), ("b", "b"), ("a", "a_again"))]
-    for proc in run_batch(imports, root / "imports"):
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    a = root / "a" / "megatron"
-    run_script(str(REPO / "examples" / "pretrain_mtp.py"), [
-        "--config", str(a / "bebop_model.yaml"), *TRAIN, f"model.backbone_checkpoint={a}", f"save.dir={root / 'run'}"],
-        nproc=1)
-    shutil.copytree(root / "a", root / "moved" / "a")  # the same files elsewhere (with hf/ next to them)
-    ckpt = root / "run" / "iter_0000001"
-    assert ckpt.is_dir()
-    moved = root / "moved" / "a" / "megatron"
+    train = {"tool": "pretrain_mtp", "argv": ["--config", str(a / "bebop_model.yaml"), *TRAIN,
+                                              f"model.backbone_checkpoint={a}", f"save.dir={root / 'run'}"]}
+    # the same files elsewhere (with hf/ next to them)
+    copy = {"tool": "copytree", "argv": [str(root / "a"), str(root / "moved" / "a")]}
     calls = {
         "same": [str(a)],
         "other": [str(root / "b" / "megatron")],
@@ -52,11 +47,16 @@ def setup(tmp_path_factory):
         "moved": [str(moved)],
         "moved_allowed": [str(moved), "--allow-moved-backbone"],
     }
-    results = run_batch([
-        {"tool": "convert_to_hf", "argv": ["--no-progress", "--checkpoint", str(root / "run"), "--format", "mimo",
-                                           "--target", "vllm", "--mtp-only", "--out", str(root / "out" / name),
-                                           "--backbone", *argv]}
-        for name, argv in calls.items()], root / "exports")
+    exports = [{"tool": "convert_to_hf", "argv": ["--no-progress", "--checkpoint", str(root / "run"), "--format",
+                                                  "mimo", "--target", "vllm", "--mtp-only", "--out",
+                                                  str(root / "out" / name), "--backbone", *argv]}
+               for name, argv in calls.items()]
+    done = run_batch([*imports, train, copy, *exports], root / "batch")
+    prepared, results = done[:-len(exports)], done[-len(exports):]
+    for proc in prepared:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = root / "run" / "iter_0000001"
+    assert ckpt.is_dir()
     return root, ckpt, dict(zip(calls, results))
 
 

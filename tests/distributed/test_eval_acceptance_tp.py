@@ -2,9 +2,10 @@
 TP=2 (vocabulary-parallel statistics, same simulated chains) and TP=1 x DP=2 (rows split
 over the ranks, sums reduced over the data-parallel group).
 
-The tiny checkpoint is trained as tests/test_eval_acceptance.py trains it, in the process that
-then writes the single-process report; both 2-rank reports come from one launch
-(tests/helpers/cli_batch.py: each call exactly as the tool's command line)."""
+All in one 2-rank launch (tests/helpers/cli_batch.py: each call exactly as the tool's command
+line): rank 0 alone, as a single process (a process group of its own), trains the tiny checkpoint
+as tests/test_eval_acceptance.py does and writes the single-process report; then both ranks
+write the 2-rank reports."""
 
 from __future__ import annotations
 
@@ -26,15 +27,15 @@ def reports(tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_tp")
     ckpt = root / "run"
 
-    def report(name, tp):
-        return {"tool": "eval_acceptance", "argv": ["--checkpoint", str(ckpt), "--out-dir", str(root / name),
-                                                    "--tensor-parallel", str(tp), *COMMON]}
+    def report(name, tp, alone=False):
+        return {"tool": "eval_acceptance", "alone": alone, "argv": [
+            "--checkpoint", str(ckpt), "--out-dir", str(root / name), "--tensor-parallel", str(tp), *COMMON]}
 
     # tests/test_eval_acceptance.py's train_tiny_checkpoint: a random backbone, 3 steps
-    train = {"tool": "pretrain_mtp", "argv": ["parallel.tensor=1", "train.steps=3", f"save.dir={ckpt}",
-                                              "model.backbone_init=random"]}
-    results = run_batch([train, report("single", 1)], root / "single")
-    results += run_batch([report("tp2", 2), report("dp2", 1)], root / "two_ranks", nproc=2)
+    train = {"tool": "pretrain_mtp", "alone": True, "argv": ["parallel.tensor=1", "train.steps=3",
+                                                             f"save.dir={ckpt}", "model.backbone_init=random"]}
+    results = run_batch([train, report("single", 1, alone=True), report("tp2", 2), report("dp2", 1)], root / "batch",
+                        nproc=2)
     for result in results:
         assert result.returncode == 0, (result.args, result.stderr[-3000:])
     return {name: json.loads((root / name / "report.json").read_text()) for name in ("single", "tp2", "dp2")}

@@ -85,16 +85,17 @@ LAYOUTS = {
 def runs(tmp_path_factory):
     """``name -> (result, step-0 gradients)`` for every family (single rank) and layout.
 
-    All references run in one single-rank process, then all layouts in one 2-rank launch
-    (tests/helpers/run_case.py --cases): each case builds its own process groups, model
-    and optimizer, so only the start-up of a launch is shared."""
+    One 2-rank launch (tests/helpers/run_case.py --cases): the references first, each a
+    single-process run (the two ranks share them out, each by itself in a process group of its
+    own), then all layouts on both ranks. Each case builds its own process groups, model and
+    optimizer, so only the start-up of a launch is shared."""
     root = tmp_path_factory.mktemp("layouts")
     refs = [(root / name, BASE + FAMILIES[name], root / f"{name}_init") for name in FAMILIES]
     layouts = [
         (root / name, BASE + FAMILIES[family] + overrides + [f"model.{weights}={root / f'{family}_init'}"], None)
         for name, (family, overrides, weights) in LAYOUTS.items()
     ]
-    results = run_cases(refs, 1, root / "refs") + run_cases(layouts, 2, root / "layouts")
+    results = run_cases(refs + layouts, 2, root / "cases", alone=len(refs))
     names = [*FAMILIES, *LAYOUTS]
     cache = {name: (result, load_grads(root / name / "grads0")) for name, result in zip(names, results)}
     return cache.__getitem__

@@ -1,12 +1,17 @@
 """Load converted checkpoints at several layouts in turn and compare their logits with transformers'.
 
-    torchrun --nproc_per_node 2 tests/helpers/convert_logits_case.py --spec cases.json --out result.json
+    torchrun --nproc_per_node 2 tests/helpers/convert_logits_case.py --spec cases.json --out result.json \
+        [--calls calls.json --results results.json]
 
 ``cases.json``: a JSON list of ``{"ckpt", "hf_dir", "family", "layouts"}``; each layout is
 comma-separated overrides, e.g. ``"parallel.tensor=2,parallel.sequence_parallel=true"``. The
 process groups and the model are rebuilt for each (on 2 ranks, ``parallel.tensor=1`` is TP=1
 with DP=2). Rank 0 writes ``{"rel_err": [[max|megatron - hf| / max|hf| per layout] per case]}``
 over the backbone logits of a fixed random batch (float32).
+
+``--calls``: first, rank 0 alone makes these tool calls (tests/helpers/cli_batch.py, e.g. the
+conversions that write the checkpoints), each as a single process in a process group of its
+own, and writes their results; the other ranks wait for them.
 """
 
 from __future__ import annotations
@@ -27,7 +32,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True, help="JSON list of cases")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--calls", default=None, help="tool calls rank 0 makes alone first (cli_batch)")
+    parser.add_argument("--results", default=None, help="where their results go")
     args = parser.parse_args()
+    if args.calls:
+        from tests.helpers.cli_batch import make_calls
+
+        with open(args.calls) as f:
+            make_calls([{**call, "alone": True} for call in json.load(f)], args.results)
     import torch.distributed as dist
 
     from bebop_megatron.platform import init_distributed

@@ -51,13 +51,15 @@ def run_case(out: Path, overrides: list[str], nproc: int, save_model: Path | Non
         return json.load(f)
 
 
-def run_cases(cases: list[tuple[Path, list[str], Path | None]], nproc: int, workdir: Path) -> list[dict]:
-    """Several ``run_case.py`` cases ``(out, overrides, save_model)`` in one launch."""
+def run_cases(cases: list[tuple[Path, list[str], Path | None]], nproc: int, workdir: Path,
+              alone: int = 0) -> list[dict]:
+    """Several ``run_case.py`` cases ``(out, overrides, save_model)`` in one launch; the first
+    ``alone`` of them are single-process runs, shared out over the ranks (each by itself)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / "cases.json"
     spec.write_text(json.dumps([{"out": str(out), "overrides": overrides,
-                                 "save_model": None if save is None else str(save)}
-                                for out, overrides, save in cases]))
+                                 "save_model": None if save is None else str(save), "alone": i < alone}
+                                for i, (out, overrides, save) in enumerate(cases)]))
     run_script("run_case.py", ["--cases", str(spec)], nproc, timeout=900)
     results = []
     for out, _, _ in cases:

@@ -6,7 +6,10 @@
 
 ``--cases``: a JSON list of ``{"out": DIR, "overrides": [...], "save_model": PATH or null}``,
 run one after the other in this launch (each builds its own process groups, model and
-optimizer), which saves the start-up of a launch per case.
+optimizer), which saves the start-up of a launch per case. A case with ``"alone": true`` is a
+single-process run: under torchrun the ranks share those out (each runs its share by itself,
+in a process group of its own: tests/helpers/cli_batch.py ``world_of_one``), and every rank
+waits for all of them before its next case.
 
 Writes (rank 0) ``DIR/result.json``: per-step loss / top-1 / grad norm, whether every
 backbone parameter is bit-identical after training, and the optimizer's parameter count
@@ -21,6 +24,9 @@ import argparse
 import json
 import os
 import shutil
+import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -78,7 +84,21 @@ def main() -> None:
             cases = json.load(f)
     else:
         cases = [{"out": args.out, "overrides": args.overrides, "save_model": args.save_model}]
-    for case in cases:
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    alone = [i for i, case in enumerate(cases) if case.get("alone") and world > 1]
+    for i, case in enumerate(cases):
+        if i in alone:
+            if alone.index(i) % world == rank:
+                sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+                from tests.helpers.cli_batch import world_of_one
+
+                with world_of_one():
+                    run_case(case["out"], case["overrides"], case.get("save_model"))
+                (Path(case["out"]) / "alone.done").write_text("done")
+            continue
+        for j in alone:  # the single-process runs before this case are complete
+            while j < i and not (Path(cases[j]["out"]) / "alone.done").exists():
+                time.sleep(0.05)
         run_case(case["out"], case["overrides"], case.get("save_model"))
 
 
