@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import run_script
+from tests.helpers.triton_compile import compile_sm90
 
 KINDS = ("tv", "kl", "reverse_kl")
 SINGLE_CASES = (
@@ -119,35 +120,8 @@ def _specialisations(kt):
 def test_kernels_compile_for_sm90():
     """Full compilation (TTIR -> TTGIR -> LLVM -> PTX -> cubin via ptxas) for sm_90, no GPU needed."""
     kt = _kernel_module()
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    target = GPUTarget("cuda", 90, 32)
-    block = kt.BLOCK_V
-    num_warps = kt._Tiles(1, block, torch.device("cpu")).num_warps
     for kernel, constexprs, inp, comp, ones in _specialisations(kt):
-        constexprs = {"BLOCK_V": block, **constexprs, **{k: v for k, v in ones.items() if k in kernel.arg_names}}
-        signature = {}
-        for name in kernel.arg_names:
-            if name in constexprs:
-                signature[name] = "constexpr"
-            elif name in ("draft_ptr", "target_ptr"):
-                signature[name] = "*" + inp
-            elif name == "arg_ptr":
-                signature[name] = "*i64"
-            elif name.endswith("_ptr"):
-                signature[name] = "*" + comp
-            else:
-                signature[name] = "i32"
-        try:
-            compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                      target=target, options={"num_warps": num_warps})
-        except RuntimeError as err:  # e.g. a triton build without the NVIDIA backend or ptxas
-            if "backend" in str(err).lower() or "ptxas" in str(err).lower():
-                pytest.skip(f"cannot compile for CUDA here: {err}")
-            raise
-        assert compiled.asm.get("cubin"), f"{kernel.__name__} {constexprs} {inp}: no cubin"
+        compile_sm90(kt, kernel, {**constexprs, **{k: v for k, v in ones.items() if k in kernel.arg_names}}, inp, comp)
 
 
 @pytest.fixture(scope="module")

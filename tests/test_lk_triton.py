@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import run_script
+from tests.helpers.triton_compile import compile_sm90
 
 KERNEL_CASES = {f"kernel/{name}" for name in ("f32/stats", "f32/nostats", "f64/stats", "bf16/stats", "ties",
                                                 "disjoint")}
@@ -78,37 +79,13 @@ def _compiled_kernels():
 def test_tv_kl_kernels_compile_for_sm90():
     """Full compilation (TTIR -> TTGIR -> LLVM -> PTX -> cubin via ptxas) for sm_90, no GPU needed."""
     kt = _compiled_kernels()
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from bebop_megatron.losses.kernel_triton_jit import TV_KL, TV_KL_SUM
 
-    block = kt.BLOCK_V
-    num_warps = kt._Tiles(1, block, torch.device("cpu")).num_warps
     launches = [(kt._parts_kernel, {"KIND": TV_KL, "WITH_STATS": stats}) for stats in (False, True)]
     launches += [(kt._grad_kernel, {"KIND": kind}) for kind in (TV_KL, TV_KL_SUM)]
     for inp, comp in (("bf16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")):
         for kernel, constexprs in launches:
-            constexprs = {"BLOCK_V": block, **constexprs}
-            signature = {}
-            for name in kernel.arg_names:
-                if name in constexprs:
-                    signature[name] = "constexpr"
-                elif name in ("draft_ptr", "target_ptr"):
-                    signature[name] = "*" + inp
-                elif name.endswith("_ptr"):
-                    signature[name] = "*" + comp
-                else:
-                    signature[name] = "i32"
-            try:
-                compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
-                                          target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-            except RuntimeError as err:  # e.g. a triton build without the NVIDIA backend or ptxas
-                if "backend" in str(err).lower() or "ptxas" in str(err).lower():
-                    pytest.skip(f"cannot compile for CUDA here: {err}")
-                raise
-            assert compiled.asm.get("cubin"), f"{kernel.__name__} {constexprs} {inp}: no cubin"
+            compile_sm90(kt, kernel, constexprs, inp, comp)
 
 
 @pytest.fixture(scope="module")
