@@ -13,7 +13,7 @@ import torch
 
 from bebop_megatron.losses import OBJECTIVES, e2e_tv_loss, tv_distance
 from bebop_megatron.losses.kernel_torch import Workspace
-from tests.helpers.loss_inputs import KINDS, K, assert_close_scaled, make_logits, make_valid, run
+from tests.helpers.loss_inputs import KINDS, K, assert_close_scaled, make_logits, make_valid, run, shifted_targets
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -99,15 +99,6 @@ def test_invalid_arguments():
 # ---------------------------------------------------------------- fused with the output projection
 
 
-def _shifted_targets(backbone_SBH, K):
-    """Step k's target hidden state at s is the backbone at s + k; zeros past the end."""
-    S = backbone_SBH.shape[0]
-    out = backbone_SBH.new_zeros((K, *backbone_SBH.shape))
-    for k in range(1, K + 1):
-        out[k - 1, : S - k] = backbone_SBH[k:]
-    return out
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("chunk_tokens", [7, 1000])
@@ -132,7 +123,7 @@ def test_fused_linear_objective_equals_objective_on_logits(kind, dtype, chunk_to
     ref_valid = (valid & inside[..., None]).flatten(1)
     ref_h = draft_h.detach().clone().requires_grad_(True)
     draft_logits = (ref_h @ weight.t()).flatten(1, 2)
-    target_logits = (_shifted_targets(backbone_h, K) @ weight.t()).flatten(1, 2)
+    target_logits = (shifted_targets(backbone_h, K) @ weight.t()).flatten(1, 2)
     ref_loss, ref_stats = OBJECTIVES[kind](draft_logits, target_logits, ref_valid, **opts)
     (ref_grad,) = torch.autograd.grad(2.5 * ref_loss, ref_h)
     tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)

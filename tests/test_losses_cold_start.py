@@ -18,7 +18,7 @@ from bebop_megatron.losses import OBJECTIVES, fused_linear_objective, tv_distanc
 from bebop_megatron.losses import reference as ref
 from bebop_megatron.losses.cold_start import NLA_EPS
 from bebop_megatron.losses.functions import ChainAcceptLength
-from tests.helpers.loss_inputs import GRAD_OUT, K, assert_close_scaled, make_logits, make_valid
+from tests.helpers.loss_inputs import GRAD_OUT, K, assert_close_scaled, make_logits, make_valid, shifted_targets
 
 NEW_KINDS = ("nla", "e2e_nla", "lk", "e2e_lk")
 
@@ -114,14 +114,6 @@ def test_chain_accept_length_backward_matches_autograd():
     torch.testing.assert_close(ChainAcceptLength.apply(tv, chain), want, rtol=1e-14, atol=0)
 
 
-def _shifted(backbone_SBH, k_steps):
-    S = backbone_SBH.shape[0]
-    out = backbone_SBH.new_zeros((k_steps, *backbone_SBH.shape))
-    for k in range(1, k_steps + 1):
-        out[k - 1, : S - k] = backbone_SBH[k:]
-    return out
-
-
 @pytest.mark.parametrize("kind", NEW_KINDS)
 def test_fused_matches_reference_on_hidden_states(kind):
     """Hidden states through a padded output projection, chunked, against the float64
@@ -144,7 +136,7 @@ def test_fused_matches_reference_on_hidden_states(kind):
     ref_h = draft_h.clone().requires_grad_()
     w = weight[:vocab_size]
     draft_logits = (ref_h @ w.t()).flatten(1, 2)
-    target_logits = (_shifted(backbone_h, k_steps) @ w.t()).flatten(1, 2)
+    target_logits = (shifted_targets(backbone_h, k_steps) @ w.t()).flatten(1, 2)
     want = ref.objective(kind, draft_logits, target_logits, ref_valid, 0.8, 1.0, **eta)
     (want_grad,) = torch.autograd.grad(GRAD_OUT * want, ref_h)
     torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=0)

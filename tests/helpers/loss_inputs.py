@@ -59,3 +59,12 @@ def run_reference(kind, draft, target, valid, temps=(1.0, 1.0), reduction="mean"
     loss = ref.objective(kind, draft, target.double(), valid, temps[0], temps[1], reduction)
     (grad,) = torch.autograd.grad(GRAD_OUT * loss, draft)
     return loss.detach(), ref.stats(draft.detach(), target.double(), valid, temps[0], temps[1]), grad
+
+
+def shifted_targets(backbone_SBH, K):
+    """Step k's target hidden state at s is the backbone at s + k; zeros past the end."""
+    S = backbone_SBH.shape[0]
+    out = backbone_SBH.new_zeros((K, *backbone_SBH.shape))
+    for k in range(1, K + 1):
+        out[k - 1, : S - k] = backbone_SBH[k:]
+    return out
