@@ -36,15 +36,12 @@ REPO = HERE.parents[1]
 for path in (REPO, HERE, HERE.parent, HERE.parent / "real_model"):
     sys.path.insert(0, str(path))
 
-from real_model_files import StudyError  # noqa: E402
+import models  # noqa: E402  (benchmarks/real_model/models.py)
+from real_model_files import SPEC, StudyError  # noqa: E402
 
 BEGIN = "<!-- speculative: begin (benchmarks/gpu/real_model_speculative.py) -->"
 END = "<!-- speculative: end -->"
 HEADS = ("head_finetune_ce.pt", "head_best.pt")
-
-
-def default_cache() -> Path:
-    return Path(os.environ.get("BEBOP_CACHE") or Path.home() / ".cache" / "bebop_megatron") / "smollm2-135m"
 
 
 def parse_args(argv=None):
@@ -61,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--publish", action="store_true",
                    help="the section in benchmarks/real_model/RESULTS_gpu.md and rows of benchmarks/results.csv")
     args = p.parse_args(argv)
-    cache = default_cache()
+    cache = models.cache_root() / SPEC.name  # where benchmarks/real_model/prepare.py put the model
     args.model_dir = Path(args.model_dir or cache / "megatron")
     args.prompts = Path(args.prompts or cache / "prompts_gpu" / "heldout.jsonl")
     args.src = Path(args.src)
