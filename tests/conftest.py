@@ -4,7 +4,8 @@ and not marked ``slow``, for the inner loop (the whole suite stays the check bef
 
 The suite runs in two pytest-xdist workers (``pytest.ini``: ``-n 2 --dist loadfile``, a file's
 tests in one worker so its module fixtures are built once); each worker's torch uses one thread,
-so the two share 2 cores without oversubscription (measured: 724 s against 1,175 s serially).
+so the two share 2 cores without oversubscription (measured on 2026-12-04: 724 s against 1,175 s serially;
+docs/developing.md has the latest time).
 """
 
 import os
