@@ -41,15 +41,20 @@ def init_distributed(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
     if device == "cpu":
         cpu_mode.enable()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
         rank = int(os.environ.get("RANK", "0"))
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            # One process needs no rendezvous: an in-memory store, so no TCP port is raced for
+            # (nor a MASTER_PORT inherited from a parent process taken).
+            store = dist.HashStore()
+        else:
+            store = None  # torchrun's MASTER_ADDR / MASTER_PORT
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(
             backend="nccl" if device == "cuda" else "gloo",
+            store=store,
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(minutes=timeout_minutes),
@@ -59,11 +64,3 @@ def init_distributed(device: str, timeout_minutes: int = 30) -> tuple[int, int]:
 
 def device_of(device: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -224,11 +224,12 @@ def fit(cfg, out: str, log=print) -> dict:
     from bebop_megatron.model import build_model
     from bebop_megatron.platform import init_distributed
     from bebop_megatron.platform.checkpoint_writer import record_write_errors
+    from bebop_megatron.platform.lazy_imports import use_deterministic_algorithms
     from bebop_megatron.training.model_weights import save_model_checkpoint
     from bebop_megatron.training.parallel import setup_parallel
 
     torch.set_num_threads(FIT_THREADS)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    use_deterministic_algorithms(warn_only=True)
     fit_cfg = load_config(None, [
         # The attention the fit has always used: the cached weights do not depend on the run's backend.
         "device=cpu", "precision=fp32", "model.transformer_impl=local", "model.attention_backend=unfused",

@@ -33,6 +33,7 @@ from bebop_megatron.model.builder import use_transformer_engine
 from bebop_megatron.model.mtp_init import init_mtp_layers
 from bebop_megatron.model.mtp_init import resolve as resolve_mtp_init
 from bebop_megatron.platform import init_distributed, resolve_device
+from bebop_megatron.platform.lazy_imports import use_deterministic_algorithms
 from bebop_megatron.platform.grad_norms import compute_grad_norms, step_with_norms
 from bebop_megatron.training import checkpoint as ckpt
 from bebop_megatron.training.model_weights import load_model_weights
@@ -102,7 +103,7 @@ class Trainer:
             check_fp8_available(self.device, cfg.fp8.recipe)
         check_cpu_bf16(self.device, cfg.precision)
         if cfg.train.deterministic and self.device == "cpu":
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            use_deterministic_algorithms(warn_only=True)
         self.rank, self.world = init_distributed(self.device)
         self.log = log if self.rank == 0 else (lambda *a, **k: None)
         self._comm_device = torch.device("cuda") if self.device == "cuda" else torch.device("cpu")
