@@ -269,3 +269,31 @@ def test_trainer_refuses_cpu_bf16_before_building(monkeypatch):
     with pytest.raises(ValueError, match="set precision=fp32"):
         Trainer(cfg)
     assert not built
+
+
+def test_a_single_process_needs_no_port(monkeypatch):
+    """World size 1 uses an in-memory store: a MASTER_PORT that another process holds (e.g. inherited
+    from a parent with its own process group) is not listened on, so it cannot fail with EADDRINUSE."""
+    import socket
+
+    import torch.distributed as dist
+
+    from bebop_megatron.platform import init_distributed
+
+    assert not dist.is_initialized(), "a process group leaked from an earlier test"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]))
+        try:
+            assert init_distributed("cpu") == (0, 1)
+            t = torch.ones(3)
+            dist.all_reduce(t)
+            assert t.tolist() == [1.0, 1.0, 1.0]
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            cpu_mode.disable()
