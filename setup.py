@@ -26,7 +26,7 @@ setup(
         "psutil",  # Megatron's dist-checkpointing writer workers need it
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist", "tensorboard", "wandb"],  # the logging tests write both
+        "test": ["pytest>=8", "pytest-xdist>=3.8", "tensorboard", "wandb"],  # the logging tests write both
         "tensorboard": ["tensorboard"],
         # apex is optional and not listed: build it from its own source if you want it.
         "gpu": ["transformer-engine[pytorch]"],
