@@ -5,7 +5,7 @@ Without a GPU:
 - Triton's interpreter (``TRITON_INTERPRET=1``, which must be set before triton is
   imported, hence a subprocess) runs ``tests/helpers/triton_kernel_case.py`` on CPU tensors:
   kinds tv / kl / reverse_kl, with and without stats, temperatures != 1, odd shapes with
-  tiles that do not divide V and several vocabulary splits per row, a ``[3, 5, V]`` leading
+  tiles that do not divide V and several vocabulary splits per row, a ``[2, 3, V]`` leading
   shape, strided inputs, bf16 / mixed bf16-fp32 / float64, draft == target (ties: exactly 0,
   S = 1), disjoint supports (TV = 1, KL = inf), argmax ties; and a 2-rank gloo run where
   each rank holds half the vocabulary (sharded results == unsharded ones). TV gradients are
@@ -13,8 +13,16 @@ Without a GPU:
   (started by :func:`_run_ranks`, no torchrun launcher) runs all of it: the TP cases, then
   the single-process ones shared out over the ranks.
 
-  Interpreted, Triton's per-device-call re-patching of ``triton.language`` is skipped
-  (``tests/helpers/triton_interpreter.py``; results unchanged).
+  Shapes: the interpreter runs every program instance in Python, so its time grows with
+  rows x tiles, not with the tile width. The odd-shape and TP cases have 8 rows (5 plain,
+  and rows 5-7 with the argmax ties within a tile, across tiles of one split and across
+  splits, or under TP across and inside shards and a shard of q all -inf), the bf16 ones 8
+  plain rows, the leading-shape case ``[2, 3, 777]`` (6 rows, still a 2-d leading shape); the
+  columns, tile widths and splits, and so every boundary (partial last tile, several tiles
+  per split, 3 splits, one split of 7 tiles, strided rows and columns), are unchanged. The
+  rows dropped (23 -> 8, [3, 5] -> [2, 3], 16 -> 8, TP 12 -> 8) were plain random rows
+  through the same code path. Interpreted, Triton's per-device-call re-patching of
+  ``triton.language`` is skipped (``tests/helpers/triton_interpreter.py``; results unchanged).
 - Every kernel specialisation is compiled for sm_90 (H100/H200) through Triton's whole
   pipeline down to a cubin: types, the float64 path and the launch options are checked by
   the compiler, which the interpreter does not do.
