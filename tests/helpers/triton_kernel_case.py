@@ -1,7 +1,7 @@
 """The Triton chunk kernel (``kernel_triton``) against the plain-torch one (``kernel_torch``).
 
     TRITON_INTERPRET=1 python tests/helpers/triton_kernel_case.py --out FILE            # CPU, interpreter
-    TRITON_INTERPRET=1 torchrun --nproc_per_node 2 tests/helpers/triton_kernel_case.py --out FILE --tp
+    TRITON_INTERPRET=1 torchrun --nproc_per_node 2 tests/helpers/triton_kernel_case.py --out FILE --tp  # both
     python tests/helpers/triton_kernel_case.py --out FILE --device cuda --large         # GPU, compiled
 
 Both implementations run on the same inputs; every case compares the per-row value, the
@@ -18,8 +18,13 @@ production-size cases (512 x 151936 bf16, default tiles and splits) and their ti
 
 ``--tp`` (2 gloo ranks): each rank holds half the vocabulary; the sharded Triton results
 are compared with the unsharded kernel_torch ones (the gradient with this rank's slice).
+The ranks then share out the single-process cases (``GROUPS[rank::world]``, no collective),
+so that one launch runs every interpreted case (each process imports torch and triton once).
 Rank 0 (or the single process) writes ``{case: {errors, tolerance, ok}}`` as JSON to FILE
-(with ``--tp`` the errors of every rank, named ``rank<r>.<name>``).
+(with ``--tp`` the errors of every rank for the ``tp/...`` cases, named ``rank<r>.<name>``).
+
+Interpreted, Triton's per-device-call re-patching of ``triton.language`` is skipped
+(``tests/helpers/triton_interpreter.py``: what the interpreter computes and checks is unchanged).
 """
 
 from __future__ import annotations
@@ -28,15 +33,25 @@ import argparse
 import functools
 import json
 import math
+import os
+import sys
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from tests.helpers.triton_interpreter import patch_once_per_launch  # noqa: E402
+
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 NEAR_TIE = 1e-5
 KINDS = ("tv", "kl", "reverse_kl")
+# Rows of the odd-shape, bf16 and --tp cases (odd-shape and --tp: 5 plain ones and the special rows
+# 5-7: argmax ties, and under --tp rank 0's shard of q all -inf). Interpreted, time grows with rows
+# x tiles (see tests/test_kernel_triton.py).
+NUM_ROWS = 8
 
 
 def scaled_err(got: torch.Tensor, want: torch.Tensor, floor: float = 1e-30) -> float:
@@ -141,40 +156,62 @@ def argmax_ties(draft, target):
         target[row, b] = 30.0
 
 
-def single_process_cases(kt, kr, device, large: bool) -> dict:
+def odd_shapes_cases(kt, kr, device) -> dict:
+    """Odd shapes, 5 tiles of 256 (the last partial), 3 splits (2, 2 and 1 tiles), temperatures != 1,
+    argmax ties (rows 5-7; ``NUM_ROWS``)."""
     results = {}
-    # Odd shapes, 5 tiles of 256 (the last partial), 3 splits, temperatures != 1, argmax ties.
     knobs(kt, 256, 3)
-    draft, target = logits(1, (23, 1271), device=device)
+    draft, target = logits(1, (NUM_ROWS, 1271), device=device)
     argmax_ties(draft, target)
     for kind in KINDS:
         results[f"f32/{kind}/stats"] = compare(kt, kr, draft, target, kind=kind, temps=(0.7, 1.3),
                                                with_stats=True, tol=TOL[torch.float32])
-    # Leading shape [3, 5], no stats, default splits, a row-strided and a column-strided input.
+    return results
+
+
+def leading_shape_cases(kt, kr, device) -> dict:
+    """Leading shape [2, 3], no stats, default splits (one on CPU: 7 tiles of 128 in one program, the
+    last partial), a row-strided and a column-strided input."""
+    results = {}
     knobs(kt, 128, None)
-    draft, target = logits(2, (3, 5, 777), device=device)
+    draft, target = logits(2, (2, 3, 777), device=device)
     for kind in KINDS:
         results[f"f32/{kind}/nostats"] = compare(kt, kr, draft, target, kind=kind, temps=(1.3, 0.7),
                                                  with_stats=False, tol=TOL[torch.float32])
     big_d, big_t = logits(3, (10, 1420), device=device)
     results["f32/tv/strided"] = compare(kt, kr, big_d[:, 7:707], big_t[:, 1:1401:2], kind="tv", temps=(0.7, 1.3),
                                         with_stats=True, tol=TOL[torch.float32])
-    # bf16 inputs (computed in float32), and bf16 draft with a float32 target.
+    return results
+
+
+def bf16_cases(kt, kr, device) -> dict:
+    """bf16 inputs (computed in float32), and bf16 draft with a float32 target."""
+    results = {}
     knobs(kt, 256, 2)
-    draft, target = logits(4, (16, 1000), torch.bfloat16, device=device)
+    draft, target = logits(4, (NUM_ROWS, 1000), torch.bfloat16, device=device)
     results["bf16/tv/stats"] = compare(kt, kr, draft, target, kind="tv", temps=(1.0, 1.0), with_stats=True,
                                        tol=TOL[torch.float32])
     results["bf16/reverse_kl/nostats"] = compare(kt, kr, draft, target, kind="reverse_kl", temps=(0.7, 1.3),
                                                  with_stats=False, tol=TOL[torch.float32])
     results["mixed/kl/stats"] = compare(kt, kr, draft, target.float(), kind="kl", temps=(0.7, 1.3),
                                         with_stats=True, tol=TOL[torch.float32])
-    # float64 inputs, computed in float64.
+    return results
+
+
+def f64_cases(kt, kr, device) -> dict:
+    """float64 inputs, computed in float64."""
+    results = {}
     knobs(kt, 128, 2)
     draft, target = logits(5, (9, 500), torch.float64, device=device)
     for kind in KINDS:
         results[f"f64/{kind}/stats"] = compare(kt, kr, draft, target, kind=kind, temps=(0.7, 1.3),
                                                with_stats=True, tol=TOL[torch.float64])
-    # draft == target (same temperature): every q_j == p_j, a tie; the divergences are exactly 0.
+    return results
+
+
+def ties_cases(kt, kr, device) -> dict:
+    """draft == target (same temperature): every q_j == p_j, a tie; the divergences are exactly 0."""
+    results = {}
     knobs(kt, 256, 2)
     draft, _ = logits(6, (6, 1271), device=device)
 
@@ -195,8 +232,14 @@ def single_process_cases(kt, kr, device, large: bool) -> dict:
     for kind in KINDS:
         results[f"ties/{kind}"] = compare(kt, kr, draft, draft.clone(), kind=kind, temps=(0.9, 0.9), with_stats=True,
                                           tol=TOL[torch.float32], extra=zero_divergence(kind), floor=1.0)
-    # Disjoint supports (-inf logits): q lives on the even columns, p on the odd ones; TV = 1,
-    # KL infinite, the TV gradient exactly 0 (S = 0, and q_j > p_j = 0 wherever q_j > 0).
+    return results
+
+
+def disjoint_cases(kt, kr, device) -> dict:
+    """Disjoint supports (-inf logits): q lives on the even columns, p on the odd ones; TV = 1,
+    KL infinite, the TV gradient exactly 0 (S = 0, and q_j > p_j = 0 wherever q_j > 0)."""
+    results = {}
+    knobs(kt, 256, 2)
     draft, target = logits(7, (6, 600), device=device)
     draft[:, 1::2] = -math.inf
     target[:, 0::2] = -math.inf
@@ -212,6 +255,20 @@ def single_process_cases(kt, kr, device, large: bool) -> dict:
     for kind in KINDS:
         results[f"disjoint/{kind}"] = compare(kt, kr, draft, target, kind=kind, temps=(0.7, 1.3), with_stats=True,
                                               tol=TOL[torch.float32], extra=tv_one(kind), floor=1.0)
+    return results
+
+
+# The single-process groups, each setting its own knobs; dealt out over the ranks of ``--tp`` as
+# ``GROUPS[rank::world]`` (this order, of measured interpreter cost, gives two ranks equal shares).
+GROUPS = (odd_shapes_cases, leading_shape_cases, f64_cases, bf16_cases, ties_cases, disjoint_cases)
+
+
+def single_process_cases(kt, kr, device, large: bool, rank: int = 0, world: int = 1) -> dict:
+    """The single-process cases (``rank``/``world``: this rank's share of them), and with ``large``
+    the production-size ones."""
+    results = {}
+    for group in GROUPS[rank::world]:
+        results.update(group(kt, kr, device))
     if large:  # production size, the module's default tiles and splits
         kt.BLOCK_V, kt.SPLITS = DEFAULTS
         draft, target = logits(8, (512, 151936), torch.bfloat16, device=device)
@@ -256,7 +313,7 @@ def tp_cases(kt, kr, group) -> dict:
     V = 1270
     cols = slice(rank * V // world, (rank + 1) * V // world)
     for dtype in (torch.float32, torch.float64):
-        draft, target = logits(11, (12, V), dtype)
+        draft, target = logits(11, (NUM_ROWS, V), dtype)
         draft[5, 3] = draft[5, 700] = 40.0  # argmax tie across the two shards
         target[5, 700] = 30.0
         draft[6, 640] = draft[6, 1000] = 40.0  # tie inside rank 1's shard
@@ -266,7 +323,7 @@ def tp_cases(kt, kr, group) -> dict:
         for kind in KINDS if dtype == torch.float32 else ("tv",):
             results[f"tp/{name}/{kind}/stats"] = compare(kt, kr, draft, target, kind=kind, temps=(0.7, 1.3),
                                                          with_stats=True, tol=TOL[dtype], tp_group=group, cols=cols)
-    draft, target = logits(12, (12, V))
+    draft, target = logits(12, (NUM_ROWS, V))
     results["tp/f32/tv/nostats"] = compare(kt, kr, draft, target, kind="tv", temps=(1.3, 0.7), with_stats=False,
                                            tol=TOL[torch.float32], tp_group=group, cols=cols)
     return results
@@ -281,26 +338,37 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--large", action="store_true", help="also the production-size cases (CUDA)")
-    parser.add_argument("--tp", action="store_true", help="run the 2-rank vocabulary-parallel cases")
+    parser.add_argument("--tp", action="store_true",
+                        help="2 ranks: the vocabulary-parallel cases, and the single-process ones shared out")
     args = parser.parse_args()
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # the interpreter's numpy inf - inf
 
     from bebop_megatron.losses import kernel_torch as kr
     from bebop_megatron.losses import kernel_triton as kt
 
+    if kt._interpreted():
+        patch_once_per_launch()
     DEFAULTS = (kt.BLOCK_V, kt.SPLITS)
     if args.tp:
         dist.init_process_group("gloo")
-        group = dist.new_group(list(range(dist.get_world_size())))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        group = dist.new_group(list(range(world)))
         mine = tp_cases(kt, kr, group)
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        # This rank's share of the single-process cases (tp_group=None: no collective), while the
+        # other ranks run theirs: one launch instead of a second interpreter process.
+        single = single_process_cases(kt, kr, torch.device(args.device), args.large, rank, world)
+        every = [None] * world
+        dist.all_gather_object(every, (mine, single))
         results = {  # each rank's errors (its gradient shard, the same per-row results), prefixed by rank
-            case: {"errors": {f"rank{r}.{n}": e for r, res in enumerate(every) for n, e in res[case]["errors"].items()},
-                   "tolerance": mine[case]["tolerance"], "ok": all(res[case]["ok"] for res in every)}
+            case: {"errors": {f"rank{r}.{n}": e for r, (res, _) in enumerate(every)
+                              for n, e in res[case]["errors"].items()},
+                   "tolerance": mine[case]["tolerance"], "ok": all(res[case]["ok"] for res, _ in every)}
             for case in mine
         }
-        if dist.get_rank() == 0:
+        for _, theirs in every:
+            assert not set(theirs) & set(results), "a single-process case ran twice"
+            results.update(theirs)
+        if rank == 0:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
         dist.barrier()
