@@ -18,8 +18,11 @@ A tool is looked up in ``tools/``, then ``examples/`` (``pretrain_mtp``); every 
 ``main`` takes the call's argv. Under torchrun (``run_batch(..., nproc=2)``)
 every rank makes every call, as each rank of a launched tool would, except a call with
 ``"alone": true``, which rank 0 makes by itself, as a single-process run in a process group of
-its own (destroyed after it), while the other ranks go on to the next call; rank 0's results are
-returned. From a test: :func:`run_batch`.
+its own (destroyed after it), and a call with ``"ranks": N``, which the first N ranks make as a
+world of N ranks with a process group of their own (e.g. a 2-rank training run in a 4-rank
+launch); the other ranks wait for it, then go on to the next call. The launch's process group
+(torchrun's store) is initialised once: a call by all the ranks together may follow calls by
+some of them only if no call before initialised it. Rank 0's results are returned. From a test: :func:`run_batch`.
 """
 
 from __future__ import annotations
@@ -77,33 +80,64 @@ def world_of_one():
     and the process group it initialised destroyed afterwards. This rank's part of the launch's
     process group, if a previous call initialised one, is destroyed first: later calls that need
     the ranks together cannot follow."""
+    with world_of(1):
+        yield
+
+
+@contextlib.contextmanager
+def world_of(size: int, store_file: Path | None = None):
+    """A torchrun rank's environment made that of rank ``RANK`` of a world of the launch's first
+    ``size`` ranks, and the process group it initialised destroyed afterwards (as
+    :func:`world_of_one`, which is ``size`` 1: rank 0 of a single process). ``size`` > 1: rank 0
+    hosts the new world's store (as torchrun's agent hosts the launch's) and writes its port to
+    ``store_file``, where the other ranks of the world read it; the store lives as long as the
+    process. This rank's part of the launch's process group, if a previous call initialised one,
+    is destroyed first: later calls that need all the launch's ranks together cannot follow."""
     import torch.distributed as dist
 
     from tests.helpers.launch import _free_port
+
+    _destroy_process_group()
+    rank = int(os.environ.get("RANK", "0")) if size > 1 else 0
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_USE_AGENT_STORE")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size))
+    if size == 1:
+        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    else:
+        if rank == 0:  # a port of the OS's choosing, bound at once: none to race for
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            _stores.append(store)
+            store_file.with_suffix(".tmp").write_text(str(store.port))
+            os.replace(store_file.with_suffix(".tmp"), store_file)
+        while not store_file.exists():
+            time.sleep(0.05)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=store_file.read_text(),
+                          TORCHELASTIC_USE_AGENT_STORE="True")
+    try:
+        yield
+    finally:
+        _destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+_stores: list = []  # the stores rank 0 hosts for worlds of some of the launch's ranks (world_of)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
 
     if dist.is_initialized():
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(_free_port()))
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def record_mtp(argv: list[str]) -> dict:
@@ -170,29 +204,36 @@ def _make(call: dict, tools: dict) -> dict:
 
 def make_calls(calls: list[dict], results_path: str) -> None:
     """Make ``calls`` in this process (every rank, under torchrun) and write rank 0's results
-    to ``results_path``; other ranks return once rank 0's ``alone`` calls are made."""
+    to ``results_path``; other ranks return once rank 0's ``alone`` and ``ranks`` calls are made."""
     tools: dict = {}
     results = []
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    done_alone = None  # rank 0 marks each call it made alone; the others wait for it before the next call
+    done = None  # rank 0 marks each call made by some ranks only; the others wait for it before the next call
     for i, call in enumerate(calls):
-        if call.get("alone") and world > 1:
-            done_alone = Path(f"{results_path}.alone{i}")
-            if rank != 0:
-                results.append({"returncode": 0, "stdout": "", "stderr": f"(made by rank 0 alone, not rank {rank})"})
-                continue
-            with world_of_one():
-                results.append(_make(call, tools))
-            done_alone.write_text("done")
-            continue
-        if done_alone is not None and rank != 0:
-            while not done_alone.exists():
+        size = 1 if call.get("alone") else int(call.get("ranks", world))
+        if done is not None and rank != 0:
+            while not done.exists():
                 time.sleep(0.05)
-        results.append(_make(call, tools))
-    if done_alone is not None and rank != 0:
-        while not done_alone.exists():
+        if size >= world:
+            results.append(_make(call, tools))
+            continue
+        done = Path(f"{results_path}.done{i}")
+        if rank >= size:
+            results.append({"returncode": 0, "stdout": "",
+                            "stderr": f"(made by the first {size} rank(s), not rank {rank})"})
+            continue
+        with world_of(size, Path(f"{results_path}.store{i}")):
+            results.append(_make(call, tools))
+        if rank == 0:
+            done.write_text("done")
+    if done is not None and rank != 0:
+        while not done.exists():
             time.sleep(0.05)
     Path(results_path + (f".rank{rank}" if rank else "")).write_text(json.dumps(results))
+    if _stores and rank == 0:  # the worlds' other ranks may still be leaving their process groups
+        for other in range(1, world):
+            while not Path(f"{results_path}.rank{other}").exists():
+                time.sleep(0.05)
 
 
 def main() -> None:
