@@ -286,8 +286,8 @@ def _wait(done: Path, preload: bool = True) -> None:
     rank 0 leaves idle, import what the tools import first (torch, Megatron-Core, the model's
     modules)."""
     if preload and not done.exists():
-        import bebop_megatron.config  # noqa: F401
-        import bebop_megatron.model  # noqa: F401
+        importlib.import_module("bebop_megatron.config")
+        importlib.import_module("bebop_megatron.model")
     while not done.exists():
         time.sleep(0.05)
 
