@@ -26,10 +26,9 @@ import json
 import pytest
 import torch
 
-from tests.helpers.cli_batch import read_results, write_calls
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.convert_models import make_hf_model
 from tests.helpers.handoff_checks import failed_at_step_2
-from tests.helpers.launch import run_script
 
 ATTN = ["input_layernorm.weight", "post_attention_layernorm.weight"] + [
     f"self_attn.{n}.weight" for n in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
@@ -72,15 +71,16 @@ def ok(proc):
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    """One 2-rank launch (tests/helpers/convert_logits_case.py): rank 0 alone first imports and
-    exports both models as a single process (tests/helpers/cli_batch.py), then their layouts are
-    checked on both ranks. Returns ``(root, results by call name, rel_err per model)``."""
+    """One 2-rank launch (tests/helpers/cli_batch.py): rank 0 alone first imports and exports
+    both models as a single process, then their layouts are checked on both ranks
+    (tests/helpers/convert_logits_case.py). Returns ``(root, results by call name, rel_err per
+    model)``."""
     root = tmp_path_factory.mktemp("deepseek")
     calls, names, cases = [], [], []
 
     def add(name, tool, argv):
         names.append(name)
-        calls.append({"tool": tool, "argv": ["--no-progress", *argv]})
+        calls.append({"tool": tool, "alone": True, "argv": ["--no-progress", *argv]})
 
     for name, (family, layouts) in MODELS.items():
         hf_dir = make_hf_model(family, root / name / "hf")
@@ -98,8 +98,8 @@ def deepseek(tmp_path_factory):
     add("rope2/vllm/True", "convert_to_hf", ["--checkpoint", str(root / "rope2" / "megatron"), "--format", "deepseek",
                                              "--target", "vllm", "--mtp-only", "--out", str(root / "out" / "rope2")])
     names.append("record/rope_pre")
-    calls.append({"tool": "record_mtp", "argv": [str(root / "rope" / "megatron"), str(root / "rope_pre" / "megatron"),
-                                                 "next_step_input=pre_norm"]})
+    calls.append({"tool": "record_mtp", "alone": True, "argv": [
+        str(root / "rope" / "megatron"), str(root / "rope_pre" / "megatron"), "next_step_input=pre_norm"]})
     for name, model, target, extra in (("handoff/pre_legacy", "rope_pre", "vllm", LEGACY),
                                        ("handoff/pre_sglang", "rope_pre", "sglang", ()),
                                        ("handoff/post_legacy", "rope", "vllm", LEGACY)):
@@ -107,11 +107,12 @@ def deepseek(tmp_path_factory):
                                     target, "--mtp-only", "--out", str(root / "out" / name.replace("/", "_")), *extra])
     add("yarn/vllm/False", "convert_to_hf", ["--checkpoint", str(root / "yarn" / "megatron"), "--format", "deepseek",
                                              "--target", "vllm", "--out", str(root / "out" / "yarn_vllm_False")])
-    calls_file, results_file = write_calls(calls, root / "batch")
     (root / "cases.json").write_text(json.dumps(cases))
-    run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json"),
-                                          "--calls", str(calls_file), "--results", str(results_file)], 2)
-    results = dict(zip(names, read_results(calls, results_file)))
+    names.append("logits")
+    calls.append({"tool": "tests/helpers/convert_logits_case.py",
+                  "argv": ["--spec", str(root / "cases.json"), "--out", str(root / "result.json")]})
+    results = dict(zip(names, run_batch(calls, root / "batch", nproc=2)))
+    ok(results["logits"])
     for name in [*MODELS, "rope2"]:
         ok(results[f"import/{name}"])
     errors = dict(zip(MODELS, json.loads((root / "result.json").read_text())["rel_err"]))

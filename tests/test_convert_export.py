@@ -37,7 +37,7 @@ import torch
 from tests.helpers.cli_batch import run_batch
 from tests.helpers.convert_models import make_hf_model
 from tests.helpers.handoff_checks import failed_at_step_2
-from tests.helpers.launch import REPO, run_script
+from tests.helpers.launch import REPO
 
 QWEN2_LAYER = [
     "input_layernorm.weight", "post_attention_layernorm.weight",
@@ -96,13 +96,10 @@ def _error_line(proc) -> str:
 COMBOS = [(target, mtp_only) for target in ("vllm", "sglang") for mtp_only in (False, True)]
 
 
-@pytest.fixture(scope="module")
-def batch(tmp_path_factory):
-    """Every conversion and export of this module that needs no multi-rank run, in one
-    process (tests/helpers/cli_batch.py): the import cost is paid once. Returns
-    ``(root, results)``: model directories under ``root / NAME`` (``hf``, ``megatron``) and
-    one ``CompletedProcess``-like result per named call."""
-    root = tmp_path_factory.mktemp("export")
+def single_process_calls(root) -> tuple[list[str], list[dict]]:
+    """``(names, calls)``: every conversion and export of this module that needs no multi-rank
+    run (tests/helpers/cli_batch.py calls), the models they start from written under
+    ``root / NAME / "hf"`` (their imports go to ``root / NAME / "megatron"``)."""
     calls, names = [], []
 
     def add(name, tool, argv):
@@ -158,11 +155,7 @@ def batch(tmp_path_factory):
     add("error/target", "convert_to_hf", [*base, "--format", "mimo", "--target", "trtllm"])
     add("error/missing", "convert_to_hf", ["--checkpoint", str(root / "none"), "--out", str(root / "out" / "error"),
                                            "--format", "mimo", "--target", "vllm"])
-    results = dict(zip(names, run_batch(calls, root / "batch")))
-    for name in names:
-        if name.startswith("import/"):
-            ok(results[name])
-    return root, results
+    return names, calls
 
 
 @pytest.mark.parametrize("fmt", ["mimo", "glm4_moe"])
@@ -245,20 +238,29 @@ GLM_RESHARD = ["parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_pa
 
 
 @pytest.fixture(scope="module")
-def launched(batch, tmp_path_factory):
-    """The checkpoints that need multi-rank runs, then every export and decode of them in one
-    process (tests/helpers/cli_batch.py). Returns ``(tmp, results)``:
+def launch(tmp_path_factory):
+    """Every conversion, export, re-save, training run and decode of this module in one 4-rank
+    launch (tests/helpers/cli_batch.py), so that torch and Megatron-Core are imported once per
+    rank. In order:
 
-    - ``resaved``: the GLM checkpoint re-saved at PP=2 x TP=2 with SP and EP=2 (4 ranks);
-    - ``run``: the user's path, training on the imported MiMo backbone at TP=2 (2 ranks), the
-      MTP-only training checkpoint exported with and without ``--backbone``, and
-      ``tools/speculative_generate.py`` on it and on its full export (in the training's launch,
-      on rank 0 alone)."""
-    root = batch[0]
-    mimo, tmp = root / "mimo", tmp_path_factory.mktemp("launched")
+    - rank 0 alone (a single process with a process group of its own) makes the
+      :func:`single_process_calls`;
+    - ``resaved``: the GLM checkpoint re-saved at PP=2 x TP=2 with SP and EP=2 (the 4 ranks);
+    - ``run``: the user's path, training on the imported MiMo backbone at TP=2 (ranks 0 and 1, a
+      world of two with a process group of its own);
+    - rank 0 alone: the exports and decodes of those checkpoints: the re-saved one, the MTP-only
+      training checkpoint with and without ``--backbone``, and ``tools/speculative_generate.py`` on
+      it and on its full export.
+
+    Returns ``(root, results, tmp, exports)``: models under ``root / NAME`` (``hf``,
+    ``megatron``) with a result per named single-process call; the multi-rank runs' checkpoints
+    under ``tmp`` with a result per named export or decode of them."""
+    root, tmp = tmp_path_factory.mktemp("export"), tmp_path_factory.mktemp("launched")
+    names, single = single_process_calls(root)
+    mimo = root / "mimo"
     resaved, save = tmp / "resaved", tmp / "run"
-    run_script("convert_reshard_case.py", ["--ckpt", str(root / "glm" / "megatron"), "--out", str(resaved),
-                                           *GLM_RESHARD], 4)
+    reshard = {"tool": "tests/helpers/convert_reshard_case.py",
+               "argv": ["--ckpt", str(root / "glm" / "megatron"), "--out", str(resaved), *GLM_RESHARD]}
     train = ["--config", str(mimo / "megatron" / "bebop_model.yaml"), "device=cpu", "parallel.tensor=2",
              f"model.init_checkpoint={mimo / 'megatron'}", "train.steps=2", "train.micro_batch_size=2",
              "train.global_batch_size=2", "train.seq_length=16", "train.lr=1e-2", f"save.dir={save}",
@@ -278,14 +280,31 @@ def launched(batch, tmp_path_factory):
         "decode_full": ("speculative_generate", ["--checkpoint", str(tmp / "full"), *spec, "--json", str(tmp / "b")]),
         "decode_mtp_only": ("speculative_generate", ["--checkpoint", str(tmp / "o"), *spec]),
     }
-    # One 2-rank launch: the training run on both ranks, then rank 0 alone (a single process with a
-    # process group of its own, tests/helpers/cli_batch.py) makes every export and decode.
-    trained, *results = run_batch(
-        [{"tool": "pretrain_mtp", "argv": train}]
+    done = run_batch(
+        [{**call, "alone": True} for call in single]
+        + [reshard, {"tool": "pretrain_mtp", "ranks": 2, "argv": train}]
         + [{"tool": tool, "alone": True, "argv": (["--no-progress"] if tool == "convert_to_hf" else []) + argv}
-           for tool, argv in calls.values()], tmp / "batch", nproc=2)
+           for tool, argv in calls.values()], tmp / "batch", nproc=4)
+    results = dict(zip(names, done[:len(single)]))
+    for name in names:
+        if name.startswith("import/"):
+            ok(results[name])
+    resharded, trained = done[len(single):len(single) + 2]
+    ok(resharded)
     ok(trained)
-    return tmp, dict(zip(calls, results))
+    return root, results, tmp, dict(zip(calls, done[len(single) + 2:]))
+
+
+@pytest.fixture(scope="module")
+def batch(launch):
+    """``(root, results)`` of the :func:`single_process_calls`."""
+    return launch[:2]
+
+
+@pytest.fixture(scope="module")
+def launched(launch):
+    """``(tmp, results)`` of the exports and decodes of the multi-rank runs' checkpoints."""
+    return launch[2:]
 
 
 def test_export_from_pp2_tp2_equals_tp1(batch, launched):

@@ -16,9 +16,8 @@ import os
 
 import pytest
 
-from tests.helpers.cli_batch import read_results, write_calls
+from tests.helpers.cli_batch import run_batch
 from tests.helpers.convert_models import make_hf_model
-from tests.helpers.launch import run_script
 
 # family -> layouts checked on 2 ranks, in one process (TP=1 there is TP=1 with DP=2)
 LAYOUTS = {
@@ -38,31 +37,31 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """One 2-rank launch (tests/helpers/convert_logits_case.py): rank 0 alone first converts all
-    families and the broken inputs of ``errors``, each as the tool's command line, as a single
-    process (tests/helpers/cli_batch.py), then every family's layouts are checked on both ranks:
+    """One 2-rank launch (tests/helpers/cli_batch.py): rank 0 alone first converts all families
+    and the broken inputs of ``errors``, each as the tool's command line, as a single process,
+    then every family's layouts are checked on both ranks (tests/helpers/convert_logits_case.py):
     ``(family -> (model dir, rel_err per layout), broken input name -> result)``."""
     root = tmp_path_factory.mktemp("import")
     calls, cases = [], []
     for family, layouts in LAYOUTS.items():
         hf_dir = make_hf_model(family, root / family / "hf")
         ckpt = root / family / "megatron"
-        calls.append({"tool": "convert_from_hf", "argv": ["--hf-dir", str(hf_dir), "--out", str(ckpt),
-                                                          "--max-tensor-parallel", "2", "--no-progress"]})
+        calls.append({"tool": "convert_from_hf", "alone": True, "argv": [
+            "--hf-dir", str(hf_dir), "--out", str(ckpt), "--max-tensor-parallel", "2", "--no-progress"]})
         cases.append({"ckpt": str(ckpt), "hf_dir": str(hf_dir), "family": family, "layouts": layouts})
     broken, out_dir = broken_inputs(root / "import_errors"), root / "import_errors" / "out"
-    calls += [{"tool": "convert_from_hf", "argv": ["--hf-dir", str(path), "--out", str(out_dir / name)]}
+    calls += [{"tool": "convert_from_hf", "alone": True, "argv": ["--hf-dir", str(path), "--out", str(out_dir / name)]}
               for name, path in broken.items()]
-    calls_file, results_file = write_calls(calls, root / "batch")
     (root / "cases.json").write_text(json.dumps(cases))
-    run_script("convert_logits_case.py", ["--spec", str(root / "cases.json"), "--out", str(root / "result.json"),
-                                          "--calls", str(calls_file), "--results", str(results_file)], 2)
-    results = read_results(calls, results_file)
+    calls.append({"tool": "tests/helpers/convert_logits_case.py",
+                  "argv": ["--spec", str(root / "cases.json"), "--out", str(root / "result.json")]})
+    results = run_batch(calls, root / "batch", nproc=2)
     for family, proc in zip(LAYOUTS, results):
         assert proc.returncode == 0, (family, proc.stderr[-3000:])
+    assert results[-1].returncode == 0, results[-1].stderr[-3000:]
     errors = json.loads((root / "result.json").read_text())["rel_err"]
     return ({family: (root / family, err) for family, err in zip(LAYOUTS, errors)},
-            {**dict(zip(broken, results[len(LAYOUTS):])), "out_dir": out_dir})
+            {**dict(zip(broken, results[len(LAYOUTS):-1])), "out_dir": out_dir})
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ layer, hidden 64, fp32, one MTP layer with the published ``mtp.*`` names) are im
   on the ``mtp.norm`` output (both engines), and differs from one that hands on the output
   before it (so the check sees the hand-off);
 - refusals, one ``error:`` line each (and the config's for packed rows under SP).
+The K-step drafts (tests/helpers/qwen_kstep_case.py) run in the same process, after the exports.
 Import logits against transformers (TP=1, TP=2+SP, EP=2): tests/test_convert_import.py; MTP
 training at PP=2 / EP=2 against one rank: tests/distributed/test_layouts.py.
 """
@@ -29,7 +30,6 @@ import pytest
 import torch
 
 from tests.helpers.cli_batch import run_batch
-from tests.helpers.launch import run_script
 from tests.helpers.qwen_models import make_qwen_model
 
 ATTN = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
@@ -90,7 +90,7 @@ def _edit_config(src, dst, **changes):
 
 @pytest.fixture(scope="module")
 def batch(tmp_path_factory):
-    """Imports, exports and refused calls in one process: ``(root, name -> result)``."""
+    """Imports, exports, refused calls and the K-step drafts in one process: ``(root, name -> result)``."""
     root = tmp_path_factory.mktemp("qwen")
     calls, names = [], []
 
@@ -132,6 +132,13 @@ def batch(tmp_path_factory):
     add("error/no_vision", "convert_to_hf", ["--checkpoint", str(root / "qwen3_5_mm" / "megatron"), "--format",
                                              "qwen3_5", "--target", "vllm", "--hf-dir", str(no_vision), "--out",
                                              str(root / "out" / "no_vision")])
+    # the K-step drafts of test_three_draft_steps_hand_on_the_normed_state (tests/helpers/qwen_kstep_case.py)
+    kstep = [{"ckpt": str(root / m / "megatron"), "export": str(root / "out" / _name(m, "vllm", False))}
+             for m in ("qwen3_next", "qwen3_5_mm")]
+    (root / "kstep.json").write_text(json.dumps(kstep))
+    names.append("kstep")
+    calls.append({"tool": "tests/helpers/qwen_kstep_case.py",
+                  "argv": ["--spec", str(root / "kstep.json"), "--out", str(root / "kstep_out.json")]})
     results = dict(zip(names, run_batch(calls, root / "batch")))
     for name in names:
         if name.startswith("import/"):
@@ -210,12 +217,10 @@ def test_round_trip_bf16_and_tied_model_without_mtp(batch):
 def test_three_draft_steps_hand_on_the_normed_state(batch):
     """One MTP layer reused for K=3 steps: Megatron's chain equals the reference with the engines'
     post-norm hand-off at every step, and differs from a pre-norm hand-off from step 2 on."""
-    root, _ = batch
-    cases = [{"ckpt": str(root / m / "megatron"), "export": str(root / "out" / _name(m, "vllm", False))}
-             for m in ("qwen3_next", "qwen3_5_mm")]
-    (root / "kstep.json").write_text(json.dumps(cases))
-    run_script("qwen_kstep_case.py", ["--spec", str(root / "kstep.json"), "--out", str(root / "kstep_out.json")], 1)
+    root, results = batch  # the batch's last call (tests/helpers/qwen_kstep_case.py)
+    assert results["kstep"].returncode == 0, results["kstep"].stderr[-3000:]
     result = json.loads((root / "kstep_out.json").read_text())
+    assert len(result["post"]) == len(result["pre"]) == 2  # qwen3_next, qwen3_5_mm
     for post, pre in zip(result["post"], result["pre"]):
         assert len(post) == 3 and max(post) < 1e-4, post
         assert pre[0] < 1e-4 and min(pre[1:]) > 1e-3, pre  # step 1 needs no hand-off

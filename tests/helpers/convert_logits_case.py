@@ -1,17 +1,15 @@
 """Load converted checkpoints at several layouts in turn and compare their logits with transformers'.
 
-    torchrun --nproc_per_node 2 tests/helpers/convert_logits_case.py --spec cases.json --out result.json \
-        [--calls calls.json --results results.json]
+    torchrun --nproc_per_node 2 tests/helpers/convert_logits_case.py --spec cases.json --out result.json
+
+or as a call of a 2-rank launch of tests/helpers/cli_batch.py (``main(argv)``), after the calls
+that write the checkpoints (made by rank 0 alone).
 
 ``cases.json``: a JSON list of ``{"ckpt", "hf_dir", "family", "layouts"}``; each layout is
 comma-separated overrides, e.g. ``"parallel.tensor=2,parallel.sequence_parallel=true"``. The
 process groups and the model are rebuilt for each (on 2 ranks, ``parallel.tensor=1`` is TP=1
 with DP=2). Rank 0 writes ``{"rel_err": [[max|megatron - hf| / max|hf| per layout] per case]}``
 over the backbone logits of a fixed random batch (float32).
-
-``--calls``: first, rank 0 alone makes these tool calls (tests/helpers/cli_batch.py, e.g. the
-conversions that write the checkpoints), each as a single process in a process group of its
-own, and writes their results; the other ranks wait for them.
 """
 
 from __future__ import annotations
@@ -28,18 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bebop_megatron.config import load_config  # noqa: E402  (quiets Megatron's notices first)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True, help="JSON list of cases")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--calls", default=None, help="tool calls rank 0 makes alone first (cli_batch)")
-    parser.add_argument("--results", default=None, help="where their results go")
-    args = parser.parse_args()
-    if args.calls:
-        from tests.helpers.cli_batch import make_calls
-
-        with open(args.calls) as f:
-            make_calls([{**call, "alone": True} for call in json.load(f)], args.results)
+    args = parser.parse_args(argv)
     import torch.distributed as dist
 
     from bebop_megatron.platform import init_distributed

@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node 2 tests/helpers/convert_reshard_case.py --ckpt IN --out OUT parallel.pipeline=2
 
+or as a call of a launch of tests/helpers/cli_batch.py (``main(argv)``).
+
 The export test converts both ``IN`` (written at TP=1) and ``OUT`` (written at this layout)
 to HF and compares the files.
 """
@@ -18,12 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from bebop_megatron.config import load_config  # noqa: E402  (quiets Megatron's notices first)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import torch.distributed as dist
 
     from bebop_megatron.model import build_model

@@ -2,6 +2,8 @@
 
     python tests/helpers/qwen_kstep_case.py --spec cases.json --out result.json
 
+or as a call of tests/helpers/cli_batch.py (``main(argv)``).
+
 ``cases.json``: ``[{"ckpt": Megatron checkpoint, "export": its full HF export}, ...]``. The
 Megatron model is built with the checkpoint's one MTP layer reused for K=3 steps (the training
 chain, ``post_norm``); ``bebop_megatron.convert.qwen_verify.draft_logits`` recomputes the three
@@ -21,11 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 K = 3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import torch
 
     from bebop_megatron.config import load_config
