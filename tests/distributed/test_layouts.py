@@ -17,14 +17,16 @@ gradients of step 0, the loss (and top-1) after 3 optimizer steps, backbone para
 bit-identical after training, and an optimizer holding exactly the MTP parameters. Three
 Adam updates are enough for that check: the learning rate is constant (no warmup) and the
 loss falls by about a sixth over them (0.163 to 0.136 for the dense family), so an update
-that differs between layouts shows in the loss well above the 1e-4 tolerance.
+that differs between layouts shows in the loss well above the 1e-4 tolerance (halving the
+learning rate on rank 1 alone fails that check in all 14 layouts).
 
 The loss is chunked (``loss.chunk_tokens``) in every run. Under TP each chunk's kernel blocks
 all-reduce their row statistics, and those all-reduces dominate a TP run's time on CPU:
 ``tp2_sp`` keeps the fine chunking of the references (37 tokens: two chunks of 18 and 14
 positions, blocks of 4 rows), the other TP layouts use :data:`TP_CHUNK_TOKENS` (two chunks
-of 31 and 1 positions, blocks of 7 rows: 10 kernel calls per MTP step instead of 16), which also checks
-that the chunking does not change the result (their references use 37).
+of 31 and 1 positions, blocks of 7 rows: 10 kernel calls per MTP step and micro-batch
+instead of 16), which also checks that the chunking does not change the result (their
+references use 37).
 """
 
 from __future__ import annotations
