@@ -32,7 +32,11 @@ from bebop_megatron.training import Trainer
 
 @torch.no_grad()
 def sample_from_backbone(trainer: Trainer, num: int, length: int, seed: int) -> torch.Tensor:
-    """``[num, length + 1]`` tokens sampled autoregressively from the backbone (temperature 1)."""
+    """``[num, length + 1]`` tokens sampled autoregressively from the backbone (temperature 1).
+
+    Token t + 1 comes from the last position of a forward over the prefix ``seqs[:, :t + 1]``:
+    attention is causal, so position t's hidden state does not depend on later tokens, and the
+    prefix costs about half of a full-length forward on average."""
     model = trainer.model.module if hasattr(trainer.model, "module") else trainer.model
     vocab = trainer.cfg.model.vocab_size
     g = torch.Generator().manual_seed(seed)
@@ -42,8 +46,7 @@ def sample_from_backbone(trainer: Trainer, num: int, length: int, seed: int) -> 
     mtp_process, model.mtp_process = model.mtp_process, False  # the backbone's hidden states only
     try:
         for t in range(length):
-            # causal: position t sees tokens <= t only
-            backbone_SBH = model(seqs[:, :length], positions, None)
+            backbone_SBH = model(seqs[:, : t + 1], positions[:, : t + 1], None)
             logits = backbone_SBH[t] @ model.output_layer.weight.t()
             probs = torch.softmax(logits[:, :vocab].float(), -1)  # padded vocabulary entries excluded
             seqs[:, t + 1] = torch.multinomial(probs, 1, generator=g)[:, 0]
