@@ -212,13 +212,14 @@ def launch_ranks(args: list[str], nproc: int, env: dict, timeout: int) -> subpro
                 **env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                 "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True"}))
-        deadline, timed_out = time.monotonic() + timeout, False
+        deadline, timed_out, killed = time.monotonic() + timeout, False, set()
         while any(p.poll() is None for p in procs):
             timed_out = time.monotonic() > deadline
             if timed_out or any(p.poll() not in (None, 0) for p in procs):
-                for p in procs:
+                for rank, p in enumerate(procs):
                     if p.poll() is None:
                         p.kill()
+                        killed.add(rank)
                 for p in procs:
                     p.wait()
                 break
@@ -231,8 +232,10 @@ def launch_ranks(args: list[str], nproc: int, env: dict, timeout: int) -> subpro
     if timed_out:
         raise subprocess.TimeoutExpired(args, timeout, "".join(o for o, _ in text), "".join(e for _, e in text))
     codes = [p.returncode for p in procs]
-    return subprocess.CompletedProcess(args, next((c for c in codes if c), 0), "".join(o for o, _ in text),
-                                       "".join(f"--- rank {r} (exit status {c})\n{e}"
+    # the status of a rank that failed by itself, not of one stopped here because of it
+    failed = [c for r, c in enumerate(codes) if c and r not in killed] or [c for c in codes if c]
+    return subprocess.CompletedProcess(args, failed[0] if failed else 0, "".join(o for o, _ in text),
+                                       "".join(f"--- rank {r} (exit status {c}{', stopped here' if r in killed else ''})\n{e}"
                                                for r, (c, (_, e)) in enumerate(zip(codes, text))))
 
 

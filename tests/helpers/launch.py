@@ -27,17 +27,17 @@ def run_script(script: str, args: list[str], nproc: int, timeout: int = 300) -> 
         env.pop("WORLD_SIZE", None)
         env["MASTER_PORT"] = str(_free_port())
         cmd = [sys.executable, path, *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     else:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), path, *args,
-        ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        # the ranks as torchrun starts its workers, without its agent process (cli_batch.launch_ranks)
+        from tests.helpers.cli_batch import launch_ranks
+
+        cmd = [path, *args]
+        proc = launch_ranks(cmd, nproc, env, timeout)
     if proc.returncode != 0:
-        ranks = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("[rank"))
         raise AssertionError(
-            f"{' '.join(cmd)} failed with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-            f"--- rank errors\n{ranks[-8000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+            f"{' '.join(cmd)} on {nproc} rank(s) failed with {proc.returncode}\n"
+            f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}"
         )
     return proc
 
