@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 SLOW_FILES = {
     "test_bench_frozen_step.py", "test_cli.py", "test_convert_deepseek.py", "test_convert_export.py",
     "test_convert_import.py", "test_convert_overwrite.py", "test_convert_qwen.py", "test_data_fingerprint.py",
-    "test_eval_acceptance.py", "test_export_backbone.py", "test_gpu_real_model.py", "test_gpu_script.py",
+    "test_eval_acceptance.py", "test_export_backbone.py", "test_forkserver.py", "test_gpu_real_model.py", "test_gpu_script.py",
     "test_grad_norm_once.py", "test_kernel_triton.py", "test_lr_logged.py", "test_mtp_chain.py", "test_mtp_init.py",
     "test_production_guard.py", "test_production_resume.py", "test_production_slurm.py",
     "test_real_model_prompts.py", "test_speculative_generate.py", "test_synthetic_backbone.py",
@@ -39,14 +39,19 @@ SLOW_TESTS = {
 }
 
 
+# Files of the quick tier that take 15-30 s each (Monte Carlo, every config field, SDPA cases, float64
+# gradchecks): handed out right after the slow files, so that none of them is the last to run.
+LONG_QUICK_FILES = {"test_speculative.py", "test_config.py", "test_attention_sdpa.py", "test_losses.py"}
+
+
 def _slow_first(item) -> int:
-    """0 for tests/distributed/, 1 for SLOW_FILES, 2 for the rest: the order files are handed to the
-    xdist workers (``--no-loadscope-reorder`` in pytest.ini keeps it), so that the minutes-long files
-    start first and the many short ones fill the gaps at the end, instead of a long file starting last
-    while the other worker idles."""
+    """0 for tests/distributed/, 1 for SLOW_FILES, 2 for LONG_QUICK_FILES, 3 for the rest: the order
+    files are handed to the xdist workers (``--no-loadscope-reorder`` in pytest.ini keeps it), so that
+    the minutes-long files start first and the many short ones fill the gaps at the end, instead of a
+    long file starting last while the other worker idles."""
     if item.path.parent.name == "distributed":
         return 0
-    return 1 if item.path.name in SLOW_FILES else 2
+    return 1 if item.path.name in SLOW_FILES else 2 if item.path.name in LONG_QUICK_FILES else 3
 
 
 def pytest_collection_modifyitems(config, items):
@@ -62,10 +67,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def synthetic_cache(tmp_path_factory):
     """``(cache_dir, path)``: the tiny fitted synthetic backbone of ``tests/helpers/synthetic_fit.py``,
-    fitted once per session into its own cache (``BEBOP_MEGATRON_CACHE``, never the user's)."""
+    fitted once per session into its own cache (``BEBOP_MEGATRON_CACHE``, never the user's), its fit
+    child forked by the fork server (``test_fit_is_deterministic_and_reaches_the_entropy_rate`` fits
+    again in a fresh interpreter and compares the files)."""
     import os
 
     from bebop_megatron.training import synthetic_backbone
+    from tests.helpers import forkserver
     from tests.helpers.synthetic_fit import tiny_config
 
     cache = tmp_path_factory.mktemp("bebop_cache")
@@ -74,7 +82,9 @@ def synthetic_cache(tmp_path_factory):
     try:
         cfg = tiny_config()
         path = synthetic_backbone.resolve(cfg)
-        synthetic_backbone.run_fit(cfg, path, log=lambda line: None)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(synthetic_backbone.subprocess, "run", forkserver.run)
+            synthetic_backbone.run_fit(cfg, path, log=lambda line: None)
     finally:
         if saved is None:
             os.environ.pop("BEBOP_MEGATRON_CACHE")

@@ -18,12 +18,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from tests.helpers import forkserver
 from tests.helpers.launch import REPO
 
 
@@ -71,7 +71,7 @@ def test_study_dry_run(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "real_model_study.py"), "study",
+    proc = forkserver.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "real_model_study.py"), "study",
                            "--dry-run", "--work", str(work),
                            "--out", str(out), "--objectives", "ce,e2e_tv"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -121,7 +121,7 @@ def _check_returned_heads(out, work, runs):
     assert {v.dtype for v in ce["mtp"].values()} == {torch.bfloat16}
     assert any(not torch.equal(ce["mtp"][k], best["mtp"][k]) for k in ce["mtp"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "real_model_speculative.py"),
+    proc = forkserver.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "real_model_speculative.py"),
                            "--from", str(out), "--model-dir", str(work / "megatron"),
                            "--prompts", str(work / "tiny_prompts" / "heldout.jsonl"), "--num-prompts", "2",
                            "--max-new-tokens", "6", "--temperatures", "1"],

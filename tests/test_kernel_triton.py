@@ -44,6 +44,7 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.helpers import forkserver
 from tests.helpers.launch import HELPERS, REPO, _free_port, run_script
 from tests.helpers.triton_compile import compile_sm90
 
@@ -80,7 +81,7 @@ def _run_ranks(out: Path, args: list[str], world: int = 2, timeout: float = 600)
                    "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                    "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
             logs.append(open(out.parent / f"rank{rank}.log", "w+"))
-            procs.append(subprocess.Popen([sys.executable, str(HELPERS / "triton_kernel_case.py"), "--out", str(out),
+            procs.append(forkserver.popen([sys.executable, str(HELPERS / "triton_kernel_case.py"), "--out", str(out),
                                            *args], cwd=REPO, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout
         while True:

@@ -24,6 +24,7 @@ import sys
 import pytest
 
 from bebop_megatron.config import load_config
+from tests.helpers import forkserver
 from tests.helpers.launch import REPO
 from tests.helpers.production import output, run_ranks
 
@@ -189,7 +190,7 @@ def test_a_refused_resume_is_one_line_before_anything_is_built(ckpt):
         env.pop(name, None)
     # The quick start's embedded default fits a synthetic backbone: back to the schema's defaults.
     schema = ["model.backbone_init=random", "data.markov_branching=4", "data.markov_min_branching=null"]
-    proc = subprocess.run([sys.executable, "examples/pretrain_mtp.py", *TINY, *schema, f"save.dir={ckpt}",
+    proc = forkserver.run([sys.executable, "examples/pretrain_mtp.py", *TINY, *schema, f"save.dir={ckpt}",
                            "model.num_layers=3", "train.steps=4"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "step " not in proc.stdout

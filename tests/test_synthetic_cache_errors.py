@@ -14,13 +14,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from bebop_megatron.training import synthetic_backbone
-from tests.helpers.launch import HELPERS, REPO
+from tests.helpers import forkserver
+from tests.helpers.launch import HELPERS
 from tests.helpers.synthetic_fit import tiny_config
 
 HINT = "set BEBOP_MEGATRON_CACHE to a writable directory with space, or use model.backbone_init=random"
@@ -90,12 +90,9 @@ def test_ctrl_c_during_the_fit_leaves_no_tmp(cache, monkeypatch):
 
 
 def test_a_full_disk_during_the_fit_is_named(cache, monkeypatch):
-    real_run = subprocess.run
-
     def full_disk_child(cmd, **kwargs):  # the real child, with its shard writes failing (ENOSPC)
         assert cmd[:3] == [sys.executable, "-m", "bebop_megatron.training.synthetic_backbone"]
-        env = {**kwargs.pop("env"), "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-        return real_run([sys.executable, str(HELPERS / "full_disk_fit.py"), *cmd[3:]], env=env, **kwargs)
+        return forkserver.run([sys.executable, str(HELPERS / "full_disk_fit.py"), *cmd[3:]], **kwargs)
 
     monkeypatch.setattr(synthetic_backbone.subprocess, "run", full_disk_child)
     cfg = tiny_config()

@@ -177,13 +177,15 @@ def run_batch(calls: list[dict], workdir: Path, timeout: int = 600,
     """Run ``calls`` in one subprocess (``env``: variables to set in it; ``nproc`` > 1: one
     launch of that many CPU ranks, :func:`launch_ranks`); one ``CompletedProcess``-like result
     per call (rank 0's)."""
+    from tests.helpers import forkserver
+
     calls_file, results_file = write_calls(calls, workdir)
     extra = env or {}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update({"OMP_NUM_THREADS": "1", **extra})
     args = [__file__, str(calls_file), str(results_file)]
     if nproc == 1:
-        proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+        proc = forkserver.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout)
     else:
         proc = launch_ranks(args, nproc, env, timeout)
@@ -202,13 +204,15 @@ def launch_ranks(args: list[str], nproc: int, env: dict, timeout: int) -> subpro
 
     import torch.distributed as dist
 
+    from tests.helpers import forkserver
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with tempfile.TemporaryDirectory() as tmp:
         procs, outputs = [], []
         for rank in range(nproc):
             out, err = open(f"{tmp}/{rank}.out", "w+"), open(f"{tmp}/{rank}.err", "w+")
             outputs.append((out, err))
-            procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=out, stderr=err, env={
+            procs.append(forkserver.popen([sys.executable, *args], cwd=REPO, stdout=out, stderr=err, env={
                 **env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                 "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
                 "TORCHELASTIC_USE_AGENT_STORE": "True"}))

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import forkserver
+
 REPO = Path(__file__).resolve().parents[2]
 HELPERS = REPO / "tests" / "helpers"
 
@@ -27,7 +29,7 @@ def run_script(script: str, args: list[str], nproc: int, timeout: int = 300) -> 
         env.pop("WORLD_SIZE", None)
         env["MASTER_PORT"] = str(_free_port())
         cmd = [sys.executable, path, *args]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = forkserver.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     else:
         # the ranks as torchrun starts its workers, without its agent process (cli_batch.launch_ranks)
         from tests.helpers.cli_batch import launch_ranks

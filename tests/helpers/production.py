@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.helpers import forkserver
 from tests.helpers.launch import REPO, _free_port
 
 SCRIPT = REPO / "tests" / "helpers" / "production_run.py"
@@ -31,7 +32,7 @@ def start_ranks(stream: Path, args: list[str], nproc: int, tag: str = "",
         out = open(f"{stream}{tag}.out{rank}", "w")
         err = open(f"{stream}{tag}.err{rank}", "w")
         group = {"process_group": procs[0].pid if procs else 0} if process_group else {}
-        procs.append(subprocess.Popen(
+        procs.append(forkserver.popen(
             [sys.executable, str(SCRIPT), "--stream", str(stream), *args], cwd=REPO, env=env, stdout=out, stderr=err,
             **group,
         ))
