@@ -17,6 +17,9 @@ import pytest
 
 from tests.helpers import forkserver
 
+pytestmark = pytest.mark.skipif(os.environ.get("BEBOP_TEST_FORKSERVER") == "0",
+                                reason="BEBOP_TEST_FORKSERVER=0: the fork server is off, every launch is fresh")
+
 PROBE = r'''
 import atexit, json, os, random, sys, threading, time
 
