@@ -143,3 +143,16 @@ def test_what_it_cannot_fork_goes_to_subprocess():
     assert [p.wait(60) for p in procs] == [0, 0, 0]
     fresh = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert forkserver.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout == fresh.stdout
+
+
+def test_a_server_that_cannot_start_is_an_error_that_says_why(monkeypatch, tmp_path):
+    """Its stderr in the error, its socket folder removed (here the "interpreter" exits at once)."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 'no torch here' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(forkserver, "_server_state", {})
+    monkeypatch.setattr(forkserver.sys, "executable", str(fake))
+    monkeypatch.setattr(forkserver.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"(?s)did not start \(3\).*no torch here"):
+        forkserver.popen([str(fake), "-c", "pass"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["python"]

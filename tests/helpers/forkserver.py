@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,15 +140,16 @@ def _server() -> dict:
     server.update(pid=os.getpid(), proc=proc, path=path, log=log, import_env=_import_env(env))
     if proc.stdout.readline().strip() != "ready":
         proc.wait()
+        why = server_log(server)
+        shutil.rmtree(directory, ignore_errors=True)
+        server.clear()
         raise RuntimeError(f"the fork server did not start ({proc.returncode}); BEBOP_TEST_FORKSERVER=0 "
-                           f"launches fresh interpreters instead:\n{server_log(server)}")
+                           f"launches fresh interpreters instead:\n{why}")
 
     def stop(proc=proc, directory=directory):
         proc.kill()
         proc.wait()
-        for name in os.listdir(directory):
-            os.unlink(os.path.join(directory, name))
-        os.rmdir(directory)
+        shutil.rmtree(directory, ignore_errors=True)
 
     atexit.register(stop)
     return server
