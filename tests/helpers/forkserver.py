@@ -194,18 +194,20 @@ def popen(args, **kwargs):
             or subprocess.PIPE in (kwargs.get("stdout"), kwargs.get("stderr")):
         return subprocess.Popen(args, **kwargs)
     env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
-    server = _server()
-    if _import_env(env) != server["import_env"]:  # what the preloaded modules saw differs: a fresh interpreter
+    # what the preloaded modules saw (or would see: this environment, a server not yet started) differs:
+    # a fresh interpreter, without starting a server for nothing
+    running = _server_state.get("pid") == os.getpid()
+    if _import_env(env) != (_server_state["import_env"] if running else _import_env(os.environ)):
         return subprocess.Popen(args, **kwargs)
+    server = _server()
     opened: list[int] = []
     try:
         out = _fd(kwargs.get("stdout"), 1, opened)
         err = out if kwargs.get("stderr") == subprocess.STDOUT else _fd(kwargs.get("stderr"), 2, opened)
         fds = [_fd(kwargs.get("stdin"), 0, opened), out, err]
-        pgid = kwargs.get("process_group")
         request = {"argv": [str(a) for a in args[1:]], "cwd": os.fspath(kwargs.get("cwd") or os.getcwd()),
-                   "env": env,
-                   "pgid": pgid, "new_session": bool(kwargs.get("start_new_session"))}
+                   "env": env, "pgid": kwargs.get("process_group"),
+                   "new_session": bool(kwargs.get("start_new_session"))}
         body = json.dumps(request).encode()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(server["path"])
