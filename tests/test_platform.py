@@ -89,6 +89,48 @@ def test_enable_disable_restores_every_original_attribute():
             torch.ones(1).cuda()
 
 
+def test_megatron_compiled_functions_run_as_written_in_cpu_mode(monkeypatch):
+    """Megatron-Core's ``jit_fuser`` (``lazy_compile`` here) builds nothing while CPU mode is on
+    and gives the function's own result; after ``disable()`` it compiles at the next call."""
+    from megatron.core import jit
+
+    from bebop_megatron.platform import lazy_imports
+
+    built = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: built.append(options) or fn)
+
+    def gelu_gate(y):
+        a, b = torch.chunk(y, 2, -1)
+        return torch.nn.functional.gelu(a, approximate="tanh") * b
+
+    assert jit.jit_fuser is lazy_imports.lazy_compile
+    fused = jit.jit_fuser(gelu_gate)
+    y = torch.randn(3, 8, dtype=torch.float64)
+    cpu_mode.enable()
+    try:
+        torch.testing.assert_close(fused(y), gelu_gate(y), rtol=0, atol=0)
+        assert built == []
+    finally:
+        cpu_mode.disable()
+    fused(y)
+    assert built == [{}]
+    assert lazy_imports.uncompiled(fused) is gelu_gate
+
+
+def test_gated_deltanet_element_wise_methods_are_megatrons_own_functions_without_fla():
+    """gdn_torch unwraps Megatron's compile wrappers, the lazy ones too (it used to keep those,
+    so that each process compiled them on any device)."""
+    from bebop_megatron.platform import gdn_torch
+
+    if gdn_torch.have_fla():
+        pytest.skip("flash-linear-attention is installed: nothing is redirected")
+    assert gdn_torch.enable()
+    module = importlib.import_module(gdn_torch.MODULE)
+    for name in gdn_torch.UNCOMPILED:
+        fn = module._GDNBase.__dict__[name]
+        assert fn.__code__.co_filename == module.__file__ and fn.__name__ == name, (name, fn.__code__.co_filename)
+
+
 def test_tensor_factories_with_cuda_device_give_cpu_tensors(cpu_mode_on):
     assert torch.empty(2, device="cuda").device.type == "cpu"
     assert torch.zeros(2, device="cuda:0").device.type == "cpu"

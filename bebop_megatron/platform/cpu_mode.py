@@ -5,6 +5,12 @@ these calls are redirected (DESIGN.md section 3). Every redirection is listed in
 ``REDIRECTIONS`` with a one-line reason; ``enable()`` installs them, ``disable()`` undoes
 them. Nothing here is active unless ``device == "cpu"``.
 
+``enable()`` also runs Megatron-Core's ``torch.compile``'d functions (``jit_fuser``: fused activations,
+norms, the gated-attention output gate, the router) as written instead of compiled
+(``lazy_imports.set_compile``): on CPU the inductor builds C++ for each function, input shape and
+process, which needs a C++ compiler and takes seconds for element-wise functions that run in
+microseconds (a 2-rank load of ten tiny converted models took twice as long with it).
+
 ``check_megatron_compatibility()`` verifies that every patched attribute still exists in
 the installed Megatron-Core; a test calls it so that an upgrade that moves one fails loudly
 instead of silently running CUDA code paths.
@@ -21,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from bebop_megatron.platform import lazy_imports
 
 __all__ = ["REDIRECTIONS", "enable", "disable", "is_enabled", "check_megatron_compatibility"]
 
@@ -181,6 +189,7 @@ REDIRECTIONS: tuple[Redirection, ...] = (
 _CLASS_OWNERS = {"torch.Tensor": torch.Tensor, "torch.nn.Module": torch.nn.Module}
 _saved: dict[tuple[str, str], tuple[Any, bool]] = {}  # -> (original, was own attribute)
 _mode: _CpuDeviceMode | None = None
+_compile_before = True  # lazy_imports' setting before enable()
 
 
 def _resolve(red: Redirection):
@@ -211,8 +220,9 @@ _rng_filter = _DropRngWarning()
 
 
 def enable() -> None:
-    """Install every redirection and the device-rewriting mode (idempotent)."""
-    global _mode
+    """Install every redirection and the device-rewriting mode, and run Megatron-Core's compiled
+    functions uncompiled (idempotent)."""
+    global _mode, _compile_before
     if _mode is not None:
         return
     missing = check_megatron_compatibility()
@@ -227,6 +237,7 @@ def enable() -> None:
         setattr(owner, red.attr, red.make(original))
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_rng_filter)
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS")  # a CUDA-stream hint
+    _compile_before = lazy_imports.set_compile(False)
     _mode = _CpuDeviceMode()
     _mode.__enter__()
 
@@ -246,6 +257,7 @@ def disable() -> None:
         else:  # it was inherited (e.g. Tensor.record_stream from TensorBase)
             delattr(owner, red.attr)
     logging.getLogger("megatron.core.tensor_parallel.random").removeFilter(_rng_filter)
+    lazy_imports.set_compile(_compile_before)
 
 
 def is_enabled() -> bool:

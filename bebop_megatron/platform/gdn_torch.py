@@ -14,6 +14,8 @@ import importlib
 
 import torch
 
+from bebop_megatron.platform import lazy_imports
+
 __all__ = ["REDIRECTIONS", "have_fla", "enable", "is_enabled", "check_megatron_compatibility", "l2norm"]
 
 MODULE = "megatron.core.ssm.gated_delta_net.common"
@@ -69,7 +71,7 @@ def enable() -> bool:
         setattr(module, attr, value)
     for name in UNCOMPILED:
         fn = module._GDNBase.__dict__[name]
-        setattr(module._GDNBase, name, getattr(fn, "_torchdynamo_orig_callable", fn))
+        setattr(module._GDNBase, name, lazy_imports.uncompiled(fn))
     _enabled = True
     return True
 

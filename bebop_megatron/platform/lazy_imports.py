@@ -51,6 +51,8 @@ def lazy_compile(fn=None, **options):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         nonlocal compiled
+        if not _compile:
+            return fn(*args, **kwargs)
         if compiled is None:
             import torch
 
@@ -61,7 +63,27 @@ def lazy_compile(fn=None, **options):
             compiled = torch.compile(fn, **options)
         return compiled(*args, **kwargs)
 
+    call.uncompiled = fn
     return call
+
+
+_compile = True  # False: lazy_compile's functions run as written (set_compile; CPU mode sets it)
+
+
+def set_compile(enabled: bool) -> bool:
+    """Whether :func:`lazy_compile`'s functions compile at their first call (the default) or run as
+    written; returns the previous setting. CPU mode (``platform/cpu_mode.py``) turns compiling off:
+    there the inductor builds C++ (a compiler must be installed) for each function, shape and
+    process, seconds of CPU for element-wise functions whose eager time is microseconds."""
+    global _compile
+    previous, _compile = _compile, bool(enabled)
+    return previous
+
+
+def uncompiled(fn):
+    """The function that a ``torch.compile`` or :func:`lazy_compile` wrapper runs (``fn`` itself
+    when it is neither)."""
+    return getattr(fn, "uncompiled", None) or getattr(fn, "_torchdynamo_orig_callable", fn)
 
 
 def use_deterministic_algorithms(warn_only: bool = True) -> None:
