@@ -51,6 +51,9 @@ def _is_cuda_device(device: Any) -> bool:
     return False
 
 
+_TENSOR_CUDA, _TENSOR_TYPE, _TENSOR_TO = torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to
+
+
 class _CpuDeviceMode(TorchFunctionMode):
     """Rewrites CUDA devices to the CPU in tensor factories, ``.to()`` and ``.cuda()``.
 
@@ -59,17 +62,20 @@ class _CpuDeviceMode(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
+        # Called for every torch function and tensor attribute read: the common case (no
+        # keyword arguments, not one of the three methods below) costs four tests.
+        if func is _TENSOR_CUDA:
             return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+        if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
             # Megatron's optimizers and grad clipping assert CUDA type names.
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if not args[0].is_cuda else name
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs = {**kwargs, "device": "cpu"}
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+        if func is _TENSOR_TO and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
+        if not kwargs:
+            return func(*args)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
         return func(*args, **kwargs)
 
 
