@@ -22,6 +22,8 @@ imports it (each tool, each rank), of which these three parts are work for nothi
 :func:`install` (called by ``bebop_megatron/__init__.py``) applies this to the modules of
 :data:`MODULES` imported from then on; ``torch.compile`` itself is unchanged outside their import,
 and nothing changes for a module imported before :func:`install`. tests/test_lazy_imports.py checks it.
+:func:`set_compile` (``False`` in CPU mode) makes the :func:`lazy_compile` functions run uncompiled;
+tests/test_platform.py checks that.
 """
 
 from __future__ import annotations
