@@ -10,7 +10,7 @@ Without a GPU:
   S = 1), disjoint supports (TV = 1, KL = inf), argmax ties; and a 2-rank gloo run where
   each rank holds half the vocabulary (sharded results == unsharded ones). TV gradients are
   compared outside near-ties of q and p (see the helper's docstring). One launch of 2 ranks
-  (started by :func:`_run_ranks`, no torchrun launcher) runs all of it: the TP cases, then
+  (``run_script``: ``cli_batch.launch_ranks``, no torchrun launcher) runs all of it: the TP cases, then
   the single-process ones shared out over the ranks.
 
   Shapes: the interpreter runs every program instance in Python, so its time grows with
@@ -35,17 +35,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
 
-from tests.helpers import forkserver
-from tests.helpers.launch import HELPERS, REPO, _free_port, run_script
+from tests.helpers.launch import run_script
 from tests.helpers.triton_compile import compile_sm90
 
 KINDS = ("tv", "kl", "reverse_kl")
@@ -69,45 +64,6 @@ def _run(tmp_path_factory, name: str, args: list[str], nproc: int, interpret: bo
     return json.loads(out.read_text())
 
 
-def _run_ranks(out: Path, args: list[str], world: int = 2, timeout: float = 600) -> None:
-    """``triton_kernel_case.py`` interpreted on ``world`` gloo ranks started here, with the
-    environment torchrun gives them (RANK, WORLD_SIZE, MASTER_ADDR/PORT) but without its launcher
-    process (~2 s of CPU to import torch); the first rank to fail, or the timeout, stops them all."""
-    port = _free_port()
-    procs, logs, timed_out = [], [], False
-    try:
-        for rank in range(world):
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TRITON_INTERPRET": "1",
-                   "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-            logs.append(open(out.parent / f"rank{rank}.log", "w+"))
-            procs.append(forkserver.popen([sys.executable, str(HELPERS / "triton_kernel_case.py"), "--out", str(out),
-                                           *args], cwd=REPO, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in procs]
-            if None not in codes or any(codes):  # all done, or one failed (the others may wait for it)
-                break
-            timed_out = time.monotonic() > deadline
-            if timed_out:
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        text = []
-        for log in logs:
-            log.seek(0)
-            text.append(log.read())
-            log.close()
-    codes = [p.returncode for p in procs]
-    assert not timed_out and not any(codes), (
-        f"triton_kernel_case.py {' '.join(args)}: " + (f"over {timeout} s" if timed_out else f"exit codes {codes}")
-        + "".join(f"\n--- rank {rank}\n{t[-6000:]}" for rank, t in enumerate(text)))
-
-
 def _check(results: dict, case: str) -> None:
     result = results[case]
     bad = {name: err for name, err in result["errors"].items() if not err <= result["tolerance"]}
@@ -118,9 +74,7 @@ def _check(results: dict, case: str) -> None:
 def interpreted_all(tmp_path_factory):
     """Every interpreted case from one 2-rank launch: the TP cases, and the single-process ones
     shared out over the two ranks."""
-    out = tmp_path_factory.mktemp("triton_interpreted") / "result.json"
-    _run_ranks(out, ["--tp"])
-    return json.loads(out.read_text())
+    return _run(tmp_path_factory, "triton_interpreted", ["--tp"], nproc=2, interpret=True)
 
 
 @pytest.fixture(scope="module")
