@@ -42,4 +42,31 @@ def masked_padded_vocab(logits_xV: torch.Tensor, vocab_size: int | None, tp_grou
     return logits_xV.masked_fill(padded_V, float("-inf"))
 
 
-__all__ = ["mask_padded_vocab_", "masked_padded_vocab"]
+def label_accept_rs(draft_RV, target_RV, labels_R, saved_CR, *, target_temperature: float, draft_temperature: float,
+                    tp_group=None) -> torch.Tensor:
+    """``[R]``: min(1, q(x) / p(x)) at each row's realized token ``x = labels_R`` (global ids),
+    the probability that a rejection-sampling draft at that position was accepted given that
+    the token there is x (DESIGN.md, "What decoding measures").
+
+    ``saved_CR``: the chunk kernel's saved rows (``max_q, sumexp_q, max_p, sumexp_p``: the
+    unscaled logits' maxima and the sums of exp((logit - max) / T) over the whole vocabulary),
+    so only the two label logits are gathered here, from the shard that holds them (one
+    all-reduce over ``tp_group``). A token with p(x) = 0 (not sampled from p) counts as
+    accepted when q(x) > 0 and rejected when q(x) = 0."""
+    num_local = draft_RV.shape[-1]
+    start = num_local * (dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0)
+    local = labels_R.to(draft_RV.device).long() - start
+    mine = (local >= 0) & (local < num_local)
+    index = local.clamp(0, num_local - 1)[:, None]
+    dtype = saved_CR.dtype
+    picked = torch.stack([draft_RV.gather(-1, index)[:, 0].to(dtype), target_RV.gather(-1, index)[:, 0].to(dtype)])
+    picked = torch.where(mine, picked, torch.zeros((), dtype=dtype, device=picked.device))
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(picked, group=tp_group)
+    max_q, sumexp_q, max_p, sumexp_p = saved_CR[:4]
+    log_q = (picked[0] - max_q) / draft_temperature - sumexp_q.log()
+    log_p = (picked[1] - max_p) / target_temperature - sumexp_p.log()
+    return (log_q - log_p).clamp(max=0.0).exp().nan_to_num(nan=0.0)
+
+
+__all__ = ["label_accept_rs", "mask_padded_vocab_", "masked_padded_vocab"]

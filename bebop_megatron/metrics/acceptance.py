@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from bebop_megatron.losses import accept_length_rows, chain_mask
 from bebop_megatron.losses.functions import DEFAULT_CHUNK_TOKENS, row_kernel
-from bebop_megatron.losses.vocab import mask_padded_vocab_
+from bebop_megatron.losses.vocab import label_accept_rs, mask_padded_vocab_
 from bebop_megatron.losses.kernel_torch import Workspace, compute_dtype
 
 ROW_KEYS = ("alpha_rs", "alpha_to", "entropy_target", "entropy_draft", "kl")  # = losses.STAT_KEYS
@@ -30,9 +30,15 @@ STAT_KEYS = (*ROW_KEYS, "accept_len_rs", "accept_len_to")
 
 
 def acceptance_rows(draft_logits, target_logits, *, tp_group=None, target_temperature=1.0, draft_temperature=1.0,
-                    chunk_tokens=DEFAULT_CHUNK_TOKENS, impl="torch", vocab_size=None) -> dict[str, torch.Tensor]:
+                    chunk_tokens=DEFAULT_CHUNK_TOKENS, impl="torch", vocab_size=None,
+                    labels=None) -> dict[str, torch.Tensor]:
     """Per-row statistics ``[K, N]`` (``ROW_KEYS``) and ``argmax_draft`` (global index of argmax q,
     lowest on ties), computed without gradients in float32 (float64 for float64 logits).
+
+    ``labels`` (global token ids, the logits' leading shape): also ``accept_rs_label``,
+    min(1, q(x) / p(x)) at the realized token x, and ``accept_to_label``, 1[x = argmax q]: the
+    probability that the draft there was accepted given x (the decode-exact forecast,
+    :mod:`bebop_megatron.metrics.decode_exact`).
 
     ``draft_logits``, ``target_logits``: ``[K, N, V_local]`` (any leading shape works), the
     vocabulary sharded over ``tp_group``; every rank returns the same values. ``vocab_size``:
@@ -48,12 +54,16 @@ def acceptance_rows(draft_logits, target_logits, *, tp_group=None, target_temper
         if not tau > 0:
             raise ValueError(f"{name} must be > 0, got {tau!r}")
     lead, V = draft_logits.shape[:-1], draft_logits.shape[-1]
+    if labels is not None and tuple(labels.shape) != tuple(lead):
+        raise ValueError(f"labels must have the logits' leading shape {tuple(lead)}, got {tuple(labels.shape)}")
     draft_RV, target_RV = draft_logits.reshape(-1, V), target_logits.reshape(-1, V)
     num_rows = draft_RV.shape[0]
+    labels_R = None if labels is None else labels.reshape(-1).to(draft_RV.device)
     kernel = row_kernel(impl)
     dtype = compute_dtype(draft_logits.dtype, target_logits.dtype)
     stats_CR = draft_RV.new_empty((len(ROW_KEYS), num_rows), dtype=dtype)
     argmax_R = torch.empty(num_rows, dtype=torch.long, device=draft_RV.device)
+    accept_R = None if labels is None else draft_RV.new_empty(num_rows, dtype=dtype)
     ws = Workspace()
     with torch.no_grad():
         for start in range(0, num_rows, chunk_tokens):
@@ -69,8 +79,15 @@ def acceptance_rows(draft_logits, target_logits, *, tp_group=None, target_temper
             )
             stats_CR[:, rows] = out.stats_CR
             argmax_R[rows] = out.argmax_R
+            if labels_R is not None:
+                accept_R[rows] = label_accept_rs(draft, target, labels_R[rows], out.saved_CR,
+                                                 target_temperature=float(target_temperature),
+                                                 draft_temperature=float(draft_temperature), tp_group=tp_group)
     result = {name: row.view(lead) for name, row in zip(ROW_KEYS, stats_CR)}
     result["argmax_draft"] = argmax_R.view(lead)
+    if labels_R is not None:
+        result["accept_rs_label"] = accept_R.view(lead)
+        result["accept_to_label"] = (argmax_R == labels_R).to(dtype).view(lead)
     return result
 
 
