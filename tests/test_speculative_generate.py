@@ -90,6 +90,20 @@ class TableModel:
     def keep(self, n):
         del self.seen[len(self.seen) - self.pending + n:]
 
+    def teacher_forced_logits(self, tokens, gamma, first, state_tokens=None, partial=False):
+        """Step k at t: q_k(. | x_{t+k}) and its target p(. | x_{t+k-1}, x_{t+k}) (zeros past the end)."""
+        L = len(tokens)
+        last = L - 2 if partial else L - 1 - gamma
+        if last < first:
+            return None, None
+        draft = torch.zeros(gamma, last + 1 - first, V, dtype=torch.float64)
+        target = torch.zeros_like(draft)
+        for k in range(1, gamma + 1):
+            for i, t in enumerate(range(first, min(last, L - 1 - k) + 1)):
+                draft[k - 1, i] = self._p(tokens[: t + k + 1]) if self.draft_is_target else self.steps[k - 1, tokens[t + k]]
+                target[k - 1, i] = self._p(tokens[: t + k + 1])
+        return draft, target
+
 
 def exact_joint(model: TableModel, prompt, temperature: float) -> torch.Tensor:
     """P(y1, y2, y3) under the target, ``[V**3]``."""
@@ -199,6 +213,7 @@ def test_megatron_model_and_tool(tmp_path):
         assert run["num_verifications"] >= 40
         assert abs(run["measured_accept_len"] - run["predicted_accept_len_at_starts"]) < 4 * se + 1e-9, run
         assert abs(run["measured_accept_len"] - run["predicted_accept_len"]) < 4 * se + 0.02, run
+        assert abs(run["measured_accept_len"] - run["predicted_accept_len_decode"]) < 4 * se, run
         # draft 1 of a verification sees only accepted tokens, so its online alpha is the
         # teacher-forced alpha at that start: for gamma = 1 the two predictions coincide
         if gamma == "1":
@@ -208,13 +223,36 @@ def test_megatron_model_and_tool(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     for key in ("measured_accept_len", "ci95", "per_position", "tokens_per_target_forward", "wall_seconds",
-                "predicted_accept_len", "predicted_accept_len_at_starts", "speedup", "texts", "baseline"):
+                "predicted_accept_len", "predicted_accept_len_at_starts", "predicted_accept_len_decode",
+                "predicted_decode_ci95", "expected_verifications", "speedup", "texts", "baseline"):
         assert key in report, key
     assert len(report["per_position"]) == 2 and len(report["texts"]) == 3
     assert set(report["wall_seconds"]) == {"target", "draft", "prefill"}
     assert 1.0 <= report["tokens_per_target_forward"] <= 3.0
 
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "checkpoint not found" in bad.stderr
+
+
+@pytest.mark.parametrize("mode", ["rs", "to"])
+def test_decode_exact_forecast_matches_measured(mode):
+    """run_config's decode-exact forecast (the recursion on each emitted text, with decoding's
+    max_new_tokens and stop token) against the counted accepted drafts and verifications of
+    many decodings: within their Monte-Carlo error, where Eq. 12 over every position is not."""
+    from bebop_megatron.speculative.session import run_config
+
+    prompts = [[i % V, (3 * i + 1) % V] for i in range(150)]
+    r = run_config(TableModel(3), prompts, gamma=3, temperature=1.0, mode=mode, max_new_tokens=24, seed=5,
+                   stop_ids={V - 1})
+    se = r["measured_se"]
+    assert r["num_verifications"] > 500
+    assert abs(r["measured_accept_len"] - r["predicted_accept_len_decode"]) < 4 * se, r
+    lo, hi = r["predicted_decode_ci95"]
+    assert lo < r["predicted_accept_len_decode"] < hi
+    assert abs(r["expected_verifications"] - r["num_verifications"]) < 4 * r["num_verifications"] ** 0.5
+    if mode == "to":  # greedy drafts: acceptance given the text is 0 or 1, so the recursion replays the decoding
+        assert r["predicted_accept_len_decode"] == pytest.approx(r["measured_accept_len"], abs=1e-12)
+        assert r["expected_verifications"] == r["num_verifications"]
+        assert abs(r["predicted_accept_len"] - r["measured_accept_len"]) > 0.02  # Eq. 12 over positions is not
 
 
 def test_lockstep_equals_separate_runs():

@@ -26,9 +26,12 @@ load changes hit both alike) and reports the wall-time speed-up.
 
 The JSON holds, per draft position, the measured acceptance rate and count; the mean accepted
 length per verification (measured_accept_len, ci95: 95% CLT interval over verifications);
-tokens per target forward; the wall time of target and draft; and predicted_accept_len,
-Eq. 12 from the same model's teacher-forced alphas on the generated text (docs/acceptance.md,
-"What the two numbers mean", says when the two differ).
+tokens per target forward; the wall time of target and draft; predicted_accept_len, Eq. 12
+from the same model's teacher-forced alphas on the generated text; and
+predicted_accept_len_decode, the decode-exact forecast from the same text (the expected
+accepted drafts over the expected verifications given the emitted tokens, with a bootstrap
+interval over prompts; exact in expectation, so it should fall inside the measured interval).
+docs/acceptance.md ("Three numbers") says when each applies.
 """
 
 from __future__ import annotations
@@ -108,9 +111,12 @@ def main(argv=None) -> dict:
     result["texts"] = [decode(tokenizer, t) for t in result["texts"]]
     pos = " ".join(f"{p['rate']:.3f} ({p['accepted']}/{p['attempts']})" for p in result["per_position"])
     lo, hi = result["ci95"]
+    dec, (dlo, dhi) = result["predicted_accept_len_decode"], result["predicted_decode_ci95"]
+    dec_text = "n/a" if dec is None else f"{dec:.3f}" + ("" if dlo is None else f" [{dlo:.3f}, {dhi:.3f}]")
     print(f"gamma={args.gamma} T={args.temperature:g} {args.mode}: accepted per verification "
-          f"{result['measured_accept_len']:.3f} [{lo:.3f}, {hi:.3f}] vs predicted (Eq. 12, teacher-forced) "
-          f"{result['predicted_accept_len']:.3f}; per position {pos}; "
+          f"{result['measured_accept_len']:.3f} [{lo:.3f}, {hi:.3f}] vs decode-exact forecast {dec_text} "
+          f"({result['expected_verifications']:.1f} verifications expected, {result['num_verifications']} counted); "
+          f"Eq. 12 over every position {result['predicted_accept_len']:.3f}; per position {pos}; "
           f"{result['tokens_per_target_forward']:.2f} tokens per target forward"
           + (f"; speed-up {result['speedup']:.2f}x" if "speedup" in result else ""))
     if args.json:

@@ -12,8 +12,15 @@
   the generated text where the whole chain fits (what ``tools/eval_acceptance.py``
   reports on held-out text); ``predicted_accept_len_at_starts`` averages it over the
   positions where verifications actually started.
+- ``predicted_accept_len_decode``: the decode-exact forecast
+  (:mod:`bebop_megatron.metrics.decode_exact`): expected accepted drafts over expected
+  verifications, from the teacher-forced acceptance given each realized token of the whole
+  emitted text, with decoding's own stopping rule (``--max-new-tokens``, the stop tokens).
+  It needs no knowledge of where the verifications started and is exact in expectation;
+  ``predicted_decode_ci95`` is a bootstrap interval over the texts, and
+  ``expected_verifications`` stands next to the counted ``num_verifications``.
 
-Real decoding differs from the prediction because step k > 1 drafts from the drafted (and,
+Real decoding differs from Eq. 12 because step k > 1 drafts from the drafted (and,
 when it counts, accepted) tokens: under RS an accepted token is distributed as
 min(p, q) / alpha, not as p, so step k sees the text the draft agrees with, while the
 teacher-forced alpha_k averages over the target's text; and verifications start only
@@ -25,9 +32,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from bebop_megatron.losses import accept_length_rows
+from bebop_megatron.metrics.decode_exact import decode_exact_rows, ratio_interval
 from bebop_megatron.speculative.decoding import probs_of
 
 
@@ -86,23 +95,83 @@ def teacher_forced_alphas(spec_model, generation, gamma: int, temperature: float
     draft, target = spec_model.teacher_forced_logits(generation.tokens, gamma, first, state_tokens=generation.accepted)
     if draft is None:
         return torch.zeros(gamma, 0, dtype=torch.float64), []
-    rows = []
-    for s in range(0, draft.shape[1], chunk):
-        q, p = probs_of(draft[:, s: s + chunk], temperature), probs_of(target[:, s: s + chunk], temperature)
-        if mode == "rs":
-            rows.append(torch.minimum(p, q).sum(-1))
-        else:
-            rows.append(p.gather(-1, q.argmax(-1, keepdim=True))[..., 0])
-    alpha = torch.cat(rows, dim=1)
+    alpha = torch.cat([_alpha_rows(draft[:, s: s + chunk], target[:, s: s + chunk], temperature, mode)[0]
+                       for s in range(0, draft.shape[1], chunk)], dim=1)
     return alpha, list(range(first, first + alpha.shape[1]))
 
 
-def predicted(generations, alphas, gamma: int) -> dict:
-    """Eq. 12 from teacher-forced alphas on the generated texts (see the module docstring);
-    ``alphas[i]`` is :func:`teacher_forced_alphas` of ``generations[i]``, computed right after it
-    (so that the cached state is reused)."""
+def _alpha_rows(draft, target, temperature, mode, labels=None):
+    """alpha_k (RS: sum min(p, q); TO: p(argmax q)) of ``[G, n, V]`` logits, and with ``labels``
+    (``[G, n]``) the acceptance given the realized token (RS: min(p, q)(x) / p(x); TO:
+    1[x = argmax q]), float64."""
+    q, p = probs_of(draft, temperature), probs_of(target, temperature)
+    given = None
+    if mode == "rs":
+        alpha = torch.minimum(p, q).sum(-1)
+        if labels is not None:
+            px, qx = p.gather(-1, labels[..., None])[..., 0], q.gather(-1, labels[..., None])[..., 0]
+            given = torch.where(px > 0, torch.minimum(px, qx) / px.clamp(min=1e-300), (qx > 0).double())
+    else:
+        argmax = q.argmax(-1, keepdim=True)
+        alpha = p.gather(-1, argmax)[..., 0]
+        if labels is not None:
+            given = (argmax[..., 0] == labels).double()
+    return alpha, given
+
+
+def teacher_forced_rows(spec_model, generation, gamma: int, temperature: float, mode: str, *,
+                        max_new_tokens: int | None = None, stop_ids=(), chunk: int = 64) -> dict:
+    """Teacher-forced values of one generation: Eq. 12's alphas on the output (as
+    :func:`teacher_forced_alphas`) and the decode-exact expected accepted drafts and
+    verifications on every token the decoding accepted (before the cut at ``max_new_tokens``),
+    the chains stopping where decoding stopped (``max_new_tokens`` new tokens, a stop token)."""
+    text = generation.accepted or generation.tokens
+    L, P = len(text), generation.prompt_len
+    first = P - 1
+    out = {"alpha": torch.zeros(gamma, 0, dtype=torch.float64), "positions": [], "accepted": 0.0,
+           "verifications": 0.0}
+    draft, target = spec_model.teacher_forced_logits(text, gamma, first, state_tokens=generation.accepted,
+                                                     partial=True)
+    if draft is None:
+        return out
+    N = draft.shape[1]  # chain positions t = first .. L-2
+    t = torch.arange(first, first + N)
+    k = torch.arange(1, gamma + 1)[:, None]
+    label_pos = t[None] + k + 1  # step k at t proposes token t+k+1
+    chain = label_pos <= L - 1  # [G, N]; cumulative by construction
+    labels = torch.tensor(text)[label_pos.clamp(max=L - 1)]
+    alphas, given = [], []
+    for s in range(0, N, chunk):
+        a, g = _alpha_rows(draft[:, s: s + chunk], target[:, s: s + chunk], temperature, mode, labels[:, s: s + chunk])
+        alphas.append(a)
+        given.append(g)
+    alpha, given = torch.cat(alphas, 1), torch.cat(given, 1)
+    # Eq. 12 on the output (cut at max_new_tokens): the positions where the whole chain fits.
+    n_eq = max(0, len(generation.tokens) - 1 - gamma - first + 1)
+    out["alpha"], out["positions"] = alpha[:, :n_eq], list(range(first, first + n_eq))
+    # Decoding continues from newest token c = t+1 while fewer than max_new_tokens are out and no stop token.
+    new = np.asarray(text[P:], dtype=np.int64)
+    stopped = np.cumsum(np.isin(new, list(stop_ids))) > 0 if stop_ids else np.zeros(len(new), dtype=bool)
+    may = np.zeros(N, dtype=bool)
+    for i in range(N):
+        c = first + i + 1
+        n_out = c - P + 1
+        may[i] = (max_new_tokens is None or n_out < max_new_tokens) and not stopped[c - P]
+    starts = np.zeros((1, N), dtype=bool)
+    starts[0, 0] = True
+    acc, ver = decode_exact_rows(given[:, None].numpy(), chain[:, None].numpy(), starts, gamma, may[None])
+    out["accepted"], out["verifications"] = float(acc.sum()), float(ver.sum())
+    return out
+
+
+def predicted(generations, rows, gamma: int) -> dict:
+    """Eq. 12 and the decode-exact forecast from teacher-forced values on the generated texts
+    (see the module docstring); ``rows[i]`` is :func:`teacher_forced_rows` of ``generations[i]``,
+    computed right after it (so that the cached state is reused)."""
     all_len, start_len, kept = [], [], []
-    for g, (alpha, positions) in zip(generations, alphas):
+    decode, decode_ci = ratio_interval([r["accepted"] for r in rows], [r["verifications"] for r in rows])
+    for g, r in zip(generations, rows):
+        alpha, positions = r["alpha"], r["positions"]
         if not positions:
             continue
         e_len = accept_length_rows(alpha)[gamma - 1]  # E[L](G) per position
@@ -121,4 +190,7 @@ def predicted(generations, alphas, gamma: int) -> dict:
         "predicted_accept_len_at_starts": at_starts,
         "predicted_at_starts_ci95": ci_starts,
         "teacher_forced_alpha": alpha.mean(1).tolist() if alpha.shape[1] else [],
+        "predicted_accept_len_decode": decode,
+        "predicted_decode_ci95": decode_ci,
+        "expected_verifications": sum(r["verifications"] for r in rows),
     }

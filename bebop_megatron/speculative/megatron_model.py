@@ -198,10 +198,12 @@ class MegatronSpecModel:
     # ------------------------------------------------------------------ teacher forcing
 
     @torch.no_grad()
-    def teacher_forced_logits(self, tokens: list[int], gamma: int, first: int, state_tokens=None):
+    def teacher_forced_logits(self, tokens: list[int], gamma: int, first: int, state_tokens=None, partial=False):
         """Teacher-forced draft and target logits ``[G, N, V]`` for positions t = first.. at which
         every step 1..gamma is defined on ``tokens`` (t + gamma <= len - 1); row k-1 holds step k
         at t and its target, the backbone at t+k. ``(None, None)`` when there is no such t.
+        ``partial``: every t = first..len-2 instead (the chains cut by the end of ``tokens``);
+        step k's rows past t = len-1-k (no backbone position t+k) are zeros.
 
         ``state_tokens``: every token accepted by the generation that just ran (its cache holds
         all but the newest). Then the cached state is reused: the committed chain positions are
@@ -209,7 +211,7 @@ class MegatronSpecModel:
         rest and one backbone forward adds the newest token. Otherwise the backbone and the
         chain are recomputed from scratch. Either equals the model's full forward (tested)."""
         L = len(tokens)
-        last = L - 1 - gamma
+        last = L - 2 if partial else L - 1 - gamma
         if last < first:
             return None, None
         if (state_tokens is not None and self.pending is None and len(state_tokens) == len(self.tokens) + 1
@@ -229,6 +231,12 @@ class MegatronSpecModel:
                 hand, out = self._mtp_step(k, src[:n], tokens[k:], 0, keep=n)
                 normed.append(out)
                 src = hand
-        drafts = torch.stack([self.logits(h[first: last + 1]) for h in normed])
-        targets = torch.stack([self.logits(self.h0[first + k: last + 1 + k]) for k in range(1, gamma + 1)])
+        N = last + 1 - first
+        drafts = self.weight_VH.new_zeros((gamma, N, self.weight_VH.shape[0]))
+        targets = torch.zeros_like(drafts)
+        for k in range(1, gamma + 1):
+            stop = min(last, L - 1 - k) + 1  # the target of step k at t is the backbone at t+k
+            if stop > first:
+                drafts[k - 1, : stop - first] = self.logits(normed[k - 1][first:stop])
+                targets[k - 1, : stop - first] = self.logits(self.h0[first + k: stop + k])
         return drafts, targets

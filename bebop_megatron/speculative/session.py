@@ -20,7 +20,7 @@ import warnings
 import torch
 
 from bebop_megatron.speculative.decoding import Generation, autoregressive_steps, lockstep, speculative_steps
-from bebop_megatron.speculative.measure import measured, predicted, teacher_forced_alphas
+from bebop_megatron.speculative.measure import measured, predicted, teacher_forced_rows
 
 
 def is_export(path: str) -> bool:
@@ -192,7 +192,8 @@ def run_config(spec_model, prompts: list[list[int]], *, gamma: int, temperature:
             lockstep(steps)
         gens.append(gen)
         t0 = time.perf_counter()
-        alphas.append(teacher_forced_alphas(spec_model, gen, gamma, temperature, mode))
+        alphas.append(teacher_forced_rows(spec_model, gen, gamma, temperature, mode, max_new_tokens=max_new_tokens,
+                                          stop_ids=stop_ids))
         predict_seconds += time.perf_counter() - t0
         if baseline and baseline_model is None:
             lockstep(plain_steps)

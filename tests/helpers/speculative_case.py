@@ -48,6 +48,15 @@ def main(argv: list[str]) -> None:
     for k in range(K):
         tf_diff = max(tf_diff, (d[k] - full[k + 1][5: 5 + d.shape[1]]).abs().max().item(),
                       (t[k] - full[0][5 + k + 1: 5 + k + 1 + t.shape[1]]).abs().max().item())
+    # partial chains (the decode-exact forecast): step k's rows up to t = len-1-k, zeros after
+    d, t = spec.teacher_forced_logits(toks, K, 5, partial=True)
+    L = len(toks)
+    assert d.shape[1] == L - 2 - 5 + 1
+    for k in range(1, K + 1):
+        n = L - 1 - k - 5 + 1
+        tf_diff = max(tf_diff, (d[k - 1, :n] - full[k][5: 5 + n]).abs().max().item(),
+                      (t[k - 1, :n] - full[0][5 + k: 5 + k + n]).abs().max().item())
+        assert not d[k - 1, n:].any() and not t[k - 1, n:].any()
     prompts = [toks[:6], toks[10:18], toks[20:25], toks[30:40]]
     stats = {}
     for gamma in (1, K):
