@@ -33,9 +33,17 @@ TOP_KEYS = {"checkpoint", "data", "num_rows", "num_positions", "num_steps", "gam
             "reference_temperature", "per_temperature", "speedup", "plots"}
 ENTRY_KEYS = {"alpha_rs", "alpha_to", "top1", "entropy_target", "entropy_draft", "kl", "count", "accept_len_rs",
               "accept_len_to", "empirical_accept_len_rs", "empirical_accept_len_to", "num_simulated_chains",
-              "entropy_fit", "entropy_bins", "rs_win_fraction"}
+              "entropy_fit", "entropy_bins", "rs_win_fraction", "accept_len_decode_rs", "accept_len_decode_to",
+              "accept_len_decode_rs_ci95", "accept_len_decode_to_ci95", "expected_verifications_rs", "num_texts",
+              "by_position", "decode_exact", "decode_exact_source"}
 PLOTS = {"alpha_per_step", "accept_len_vs_gamma", "acceptance_vs_entropy", "accept_len_vs_temperature",
-         "rs_vs_to_boundary", "speedup_vs_gamma"}
+         "rs_vs_to_boundary", "speedup_vs_gamma", "acceptance_by_position"}
+
+
+def SPEC_ARGV(checkpoint, d):
+    """speculative_generate on the prompts of the --sample call's rows (tiny_valid.jsonl's first lines)."""
+    return ["--checkpoint", checkpoint, "--prompts", VALID, "--limit", "12", "--gamma", "2", "--max-new-tokens", "24",
+            "--json", d / "spec.json"]
 
 
 def train_tiny_checkpoint(save_dir: Path) -> Path:
@@ -78,6 +86,9 @@ def runs(checkpoint, tmp_path_factory):
     (d / "mixed.jsonl").write_text(json.dumps(LONG_PROMPT) + "\n" + VALID.read_text())
     for name in DAMAGE:
         damaged_copy(checkpoint, d / f"damaged{name}", name)
+    on_policy = d / "on_policy.jsonl"  # as tools/generate_responses.py records its sampling settings
+    on_policy.write_text(VALID.read_text())
+    (d / "on_policy.jsonl.settings.json").write_text(json.dumps({"model": "x", "temperature": 0.8, "top_p": 1.0}))
     calls = {
         "report": ["--checkpoint", checkpoint, "--data", VALID, "--temperatures", "0.8", "1.0", "--gamma", "2",
                    "--max-rows", "12", "--sim-positions", "64", "--sim-trials", "8", "--out-dir", d / "report",
@@ -90,10 +101,59 @@ def runs(checkpoint, tmp_path_factory):
         "truncated": ["--checkpoint", checkpoint, "--data", d / "truncated.jsonl", "--out-dir", d / "r_truncated"],
         "mixed": ["--checkpoint", checkpoint, "--data", d / "mixed.jsonl", "--max-rows", "1", "--no-speedup",
                   "--out-dir", d / "r_mixed"],
+        "settings": ["--checkpoint", checkpoint, "--data", on_policy, "--temperatures", "0.8", "1.0", "--max-rows",
+                     "2", "--cost-ratio", "0.1", "--no-progress", "--sim-positions", "0", "--out-dir", d / "r_settings"],
+        "sample": ["--checkpoint", checkpoint, "--data", VALID, "--sample", "--max-new-tokens", "24", "--max-rows", "12",
+                   "--temperatures", "1.0", "--gamma", "2", "--cost-ratio", "0.1", "--no-progress",
+                   "--sim-positions", "0", "--out-dir", d / "r_sample"],
     }
-    results = run_batch([{"tool": "eval_acceptance", "argv": [str(a) for a in argv]} for argv in calls.values()],
+    results = run_batch([{"tool": "eval_acceptance", "argv": [str(a) for a in argv]} for argv in calls.values()]
+                        + [{"tool": "speculative_generate", "argv": [str(a) for a in SPEC_ARGV(checkpoint, d)]}],
                         d / "batch")
+    results, spec = results[:-1], results[-1]
+    calls["speculative"] = None
+    results.append(spec)
     return dict(zip(calls, results)), d
+
+
+def test_decode_exact_flags_and_speedup_basis(runs):
+    """The forecast is marked decode-exact only where the text was sampled at that temperature
+    (the data file's .settings.json: T=0.8), and the speed-up says which E[L] it used."""
+    results, d = runs
+    proc = results["settings"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((d / "r_settings" / "report.json").read_text())
+    e08, e1 = report["per_temperature"]["0.8"], report["per_temperature"]["1"]
+    assert e08["decode_exact"] is True and "settings.json" in e08["decode_exact_source"]
+    assert e1["decode_exact"] is False and "not at T=1" in e1["decode_exact_source"]
+    rows = report["speedup"]["per_temperature"]
+    assert rows["0.8"]["accept_len_used"] == "decode-exact" and rows["1"]["accept_len_used"].startswith("Eq. 12")
+    want = [(1 + e) / (1 + g * 0.1) for g, e in enumerate(e08["accept_len_decode_rs"], start=1)]
+    assert rows["0.8"]["speedup_rs"] == pytest.approx(want, rel=1e-12)
+    for e in (e08, e1):
+        lo, hi = e["accept_len_decode_rs_ci95"][-1]
+        assert lo <= e["accept_len_decode_rs"][-1] <= hi
+        assert e["by_position"]["count"][0] == e["count"][0] and sum(e["by_position"]["count"][1:]) == 0
+    assert "from the decode-exact E[L]" in proc.stdout and "from the Eq. 12 over every position E[L]" in proc.stdout
+
+
+def test_sample_agrees_with_speculative_decoding(runs):
+    """--sample at T=1 (continuations of the held-out prompts from the backbone) forecasts what
+    speculative_generate measures on the same prompts, within the two intervals pooled."""
+    results, d = runs
+    proc, spec = results["sample"], results["speculative"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert spec.returncode == 0, spec.stderr[-3000:]
+    report = json.loads((d / "r_sample" / "report.json").read_text())
+    e = report["per_temperature"]["1"]
+    assert e["decode_exact"] is True and report["sampled"]["max_new_tokens"] == 24
+    assert e["num_texts"] == 14  # the documents of the 12 packed rows (two rows hold two)
+    measured = json.loads((d / "spec.json").read_text())
+    lo, hi = measured["ci95"]
+    flo, fhi = e["accept_len_decode_rs_ci95"][-1]
+    half = ((hi - lo) ** 2 + (fhi - flo) ** 2) ** 0.5 / 2
+    assert abs(measured["measured_accept_len"] - e["accept_len_decode_rs"][-1]) < half, (measured, e)
+    assert report["speedup"]["per_temperature"]["1"]["accept_len_used"] == "decode-exact"
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -75,7 +75,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--entropy-bin-width", type=float, default=0.5, help="nats per entropy bin (default 0.5)")
     parser.add_argument("--scatter-points", type=int, default=2000,
                         help="(step, position) points in the RS-vs-TO scatter plot (default 2000)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the simulated chains")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the simulated chains and of --sample")
+    exact = parser.add_argument_group(
+        "decode-exact forecast (what speculative decoding will measure; exact on text sampled from this backbone "
+        "at the temperature evaluated)")
+    exact.add_argument("--data-temperature", type=float, default=None, metavar="T",
+                       help="the --data responses were sampled from this checkpoint's backbone at T (full "
+                            "vocabulary); default: read from each file's <file>.settings.json "
+                            "(tools/generate_responses.py) when every file has one")
+    exact.add_argument("--sample", action="store_true",
+                       help="first sample a continuation of every held-out prompt from the checkpoint's backbone at "
+                            "each temperature (plain decoding with a KV cache) and evaluate those texts: every "
+                            "temperature decode-exact (needs --tensor-parallel 1)")
+    exact.add_argument("--max-new-tokens", type=int, default=None,
+                       help="with --sample: tokens per continuation (default: up to the run's train.seq_length)")
     parser.add_argument("--positions-out", default=None, metavar="FILE",
                         help="also save the per-position alpha_RS, alpha_TO, H(p) and chain mask ([K, N] per "
                              "temperature, torch.save) for bootstrap intervals over positions")
@@ -110,6 +123,16 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.entropy_bin_width > 0:
         parser.error("--entropy-bin-width must be > 0")
+    if args.data_temperature is not None and not 0 < args.data_temperature < float("inf"):
+        parser.error(f"--data-temperature must be a finite number > 0, got {args.data_temperature}")
+    if args.max_new_tokens is not None and not args.sample:
+        parser.error("--max-new-tokens goes with --sample")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be >= 1")
+    if args.sample and args.data_temperature is not None:
+        parser.error("--sample evaluates freshly sampled text: --data-temperature does not apply")
+    if args.sample and args.tensor_parallel != 1:
+        parser.error("--sample decodes at --tensor-parallel 1 (data-parallel ranks share the prompts)")
     return args
 
 
@@ -206,6 +229,64 @@ def held_out_dataset(cfg, args, progress: bool):
     return build_valid_dataset(cfg, progress=progress)
 
 
+def data_sampling(args) -> tuple[float | None, str]:
+    """The temperature the held-out text was sampled at from this backbone, and where that is
+    known from: ``--sample`` (every temperature), ``--data-temperature``, or every data file's
+    ``<file>.settings.json`` (tools/generate_responses.py; top-p 1 only). ``(None, reason)`` otherwise."""
+    if args.sample:
+        return None, "--sample: continuations sampled from this backbone at each temperature"
+    if args.data_temperature is not None:
+        return args.data_temperature, f"--data-temperature {args.data_temperature:g}"
+    if is_synthetic(args):
+        return None, "the synthetic language is not sampled from the backbone (pass --sample)"
+    temps = set()
+    for path in args.data:
+        settings = path + ".settings.json"
+        try:
+            with open(settings, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return None, f"{path} has no readable {os.path.basename(settings)} (pass --data-temperature or --sample)"
+        top_p = record.get("top_p", 1.0) if isinstance(record, dict) else None
+        temp = record.get("temperature") if isinstance(record, dict) else None
+        if not isinstance(temp, (int, float)) or not temp > 0 or top_p not in (None, 1, 1.0):
+            return None, f"{settings}: not sampled at a temperature > 0 with top-p 1 (pass --sample)"
+        temps.add(float(temp))
+    if len(temps) != 1:
+        return None, f"the --data files were sampled at several temperatures {sorted(temps)} (pass --sample)"
+    T = temps.pop()
+    return T, f"the --data files' .settings.json: sampled at T={T:g} (assumed from this checkpoint's backbone)"
+
+
+def sample_on_policy(model, cfg, dataset, num_rows: int, tau: float, args, rank: int, world: int):
+    """``--sample``: continuations of the held-out prompts sampled from the backbone at ``tau``
+    (prompt i on rank i % world, then gathered), as rows to evaluate."""
+    import torch.distributed as dist
+
+    from bebop_megatron.speculative.megatron_model import MegatronSpecModel
+    from bebop_megatron.speculative.onpolicy import SampledRows, held_out_prompts, sample_texts
+
+    prompts = held_out_prompts(dataset, num_rows)
+    stop_ids = ()
+    if not is_synthetic(args):  # the synthetic language has no end-of-text token
+        from bebop_megatron.data.tokenizer import tokenizer_from_dir
+        from bebop_megatron.speculative.session import stop_ids_of
+
+        stop_ids = stop_ids_of(tokenizer_from_dir(cfg.data.tokenizer))
+    spec = MegatronSpecModel(model, cfg.model.vocab_size)
+    mine = list(range(rank, len(prompts), world))
+    texts = sample_texts(spec, prompts, temperature=tau, max_new_tokens=args.max_new_tokens,
+                         seq_length=cfg.train.seq_length, seed=args.seed, stop_ids=stop_ids, indices=mine)
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, texts)
+        texts = [parts[i % world][i // world] for i in range(len(prompts))]
+    if rank == 0:
+        new = sum(len(t) - p for p, t in texts)
+        print(f"T={tau:g}: sampled {new} tokens after {len(prompts)} held-out prompts from the backbone", flush=True)
+    return SampledRows(texts, cfg.train.seq_length)
+
+
 def cost_model(args, cfg, model, gamma: int, device: str):
     """The speed-up model's costs: given by the flags, or measured here (every rank takes part:
     the tensor-parallel forwards are collective)."""
@@ -229,8 +310,10 @@ def cost_model(args, cfg, model, gamma: int, device: str):
 # ----------------------------------------------------------------------------- evaluation
 
 
-def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budget, generator, device, vocab_size):
-    """Add one micro-batch to ``report``; returns the number of positions simulated.
+def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budget, generator, device, vocab_size,
+                           temperature_indices=None):
+    """Add one micro-batch to ``report`` at the temperatures ``temperature_indices`` (default:
+    all); returns the number of positions simulated.
 
     Columns from ``vocab_size`` on (Megatron's vocabulary padding) are excluded everywhere."""
     import torch
@@ -258,21 +341,35 @@ def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budge
         labels_KN[k - 1, : S - k] = labels_SB[k:]
     target_KNH, labels_KN = target_KNH.reshape(K, S * B, H), labels_KN.reshape(K, S * B)
 
+    temps = list(range(len(report.temperatures))) if temperature_indices is None else list(temperature_indices)
+    # The acceptance given the realized token and alpha_RS of every position, [K, S * B] per temperature.
+    given = {ti: {mode: torch.zeros(K, S * B, dtype=torch.float64) for mode in ("rs", "to", "alpha_rs")}
+             for ti in temps}
     positions = chain_KN[0].nonzero(as_tuple=True)[0]
     for start in range(0, len(positions), args.chunk_positions):
         idx = positions[start : start + args.chunk_positions]
         draft_logits, target_logits = draft_KNH[:, idx] @ weight_VH.t(), target_KNH[:, idx] @ weight_VH.t()
-        for ti, tau in enumerate(report.temperatures):
+        for ti in temps:
+            tau = report.temperatures[ti]
             rows = acceptance_rows(draft_logits, target_logits, tp_group=tp_group, target_temperature=tau,
-                                   draft_temperature=tau, vocab_size=vocab_size)
+                                   draft_temperature=tau, vocab_size=vocab_size, labels=labels_KN[:, idx])
             report.add_rows(ti, rows, chain_KN[:, idx], labels_KN[:, idx])
+            cpu_idx = idx.cpu()
+            for mode, key in (("rs", "accept_rs_label"), ("to", "accept_to_label"), ("alpha_rs", "alpha_rs")):
+                given[ti][mode][:, cpu_idx] = rows[key].double().cpu()
+    chain_KBS = chain_KN.view(K, S, B).transpose(1, 2).cpu()
+    for ti in temps:
+        per_mode = {mode: v.view(K, S, B).transpose(1, 2) for mode, v in given[ti].items()}
+        report.add_decode(ti, per_mode, chain_KBS, batch.loss_mask, batch.segment_ids, batch.position_ids)
+        report.add_position_rows(ti, per_mode["alpha_rs"], chain_KBS, batch.position_ids)
 
     G = report.G
     sim_idx = chain_KN[G - 1].nonzero(as_tuple=True)[0][:sim_budget]
     if len(sim_idx):
         draft_logits = _gather_vocab(draft_KNH[:G, sim_idx] @ weight_VH.t(), tp_group)[..., :vocab_size]  # [G, n, V]
         target_logits = _gather_vocab(target_KNH[:G, sim_idx] @ weight_VH.t(), tp_group)[..., :vocab_size]
-        for ti, tau in enumerate(report.temperatures):
+        for ti in temps:
+            tau = report.temperatures[ti]
             q = torch.softmax(draft_logits.double() / tau, -1).transpose(0, 1).contiguous()
             p = torch.softmax(target_logits.double() / tau, -1).transpose(0, 1).contiguous()
             report.simulate(ti, p, q, args.sim_trials, generator)
@@ -333,13 +430,23 @@ def evaluate(args) -> dict | None:
                               keep_positions=bool(args.positions_out))
     generator = torch.Generator(device=comm).manual_seed(args.seed + 1000 * dp_rank)
     sim_left = args.sim_positions
-    batches = eval_batches(dataset, num_rows=num_rows, global_batch_size=args.micro_batch_size * dp_size,
-                           micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
-    total = math.ceil(num_rows / (args.micro_batch_size * dp_size))
-    for micro in tqdm(batches, total=total, desc="eval", unit="batch", disable=args.no_progress or rank != 0):
-        for batch in micro:
-            sim_left -= micro_batch_statistics(model, batch, report, args, K=K, tp_group=tp_group, sim_budget=sim_left,
-                                               generator=generator, device=comm, vocab_size=cfg.model.vocab_size)
+    # --sample: each temperature evaluates its own on-policy continuations; otherwise the data, once.
+    passes = ([(ti, sample_on_policy(model, cfg, dataset, num_rows, tau, args, rank, world))
+               for ti, tau in enumerate(args.temperatures)] if args.sample else [(None, dataset)])
+    for ti, rows in passes:
+        n = len(rows) if args.sample else num_rows
+        batches = eval_batches(rows, num_rows=n, global_batch_size=args.micro_batch_size * dp_size,
+                               micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        total = math.ceil(n / (args.micro_batch_size * dp_size))
+        desc = "eval" if ti is None else f"eval T={args.temperatures[ti]:g}"
+        for micro in tqdm(batches, total=total, desc=desc, unit="batch", disable=args.no_progress or rank != 0):
+            for batch in micro:
+                sim_left -= micro_batch_statistics(model, batch, report, args, K=K, tp_group=tp_group,
+                                                   sim_budget=sim_left, generator=generator, device=comm,
+                                                   vocab_size=cfg.model.vocab_size,
+                                                   temperature_indices=None if ti is None else [ti])
+        if args.sample:
+            sim_left = args.sim_positions  # every temperature simulates its own budget
     report.reduce(dp_group)
     if not report.sums[0][SUM_KEYS.index("count")][0]:  # the same on every rank after the reduce
         raise DataError(f"--data: the {num_rows} rows evaluated (--max-rows) hold no position an MTP step can be "
@@ -353,6 +460,11 @@ def evaluate(args) -> dict | None:
         os.makedirs(os.path.dirname(os.path.abspath(args.positions_out)), exist_ok=True)
         torch.save(positions, args.positions_out)
     per_t = report.summary()
+    sampled_at, exact_source = data_sampling(args)
+    for tau, entry in zip(args.temperatures, per_t.values()):
+        entry["decode_exact"] = bool(args.sample or (sampled_at is not None and abs(tau - sampled_at) < 1e-9))
+        entry["decode_exact_source"] = (exact_source if entry["decode_exact"] or sampled_at is None else
+                                        f"{exact_source}; not at T={tau:g}")
     speedup = None if costs is None else speedup_table(per_t, costs, num_positions=K)
     ref = min(args.temperatures, key=lambda t: abs(t - 1.0))
     plots = write_all(per_t, report.scatter[args.temperatures.index(ref)], f"{ref:g}", args.out_dir, speedup=speedup)
@@ -365,6 +477,7 @@ def evaluate(args) -> dict | None:
         "gamma": gamma,
         "layout": {"tensor": cfg.parallel.tensor, "data": dp_size, "device": device},
         "temperatures": [float(t) for t in args.temperatures],
+        "sampled": {"mode": "--sample", "max_new_tokens": args.max_new_tokens, "seed": args.seed} if args.sample else None,
         "reference_temperature": ref,
         "per_temperature": per_t,
         "speedup": speedup,

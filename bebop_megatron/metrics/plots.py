@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 PLOTS = ("alpha_per_step", "accept_len_vs_gamma", "acceptance_vs_entropy", "accept_len_vs_temperature",
-         "rs_vs_to_boundary")
+         "rs_vs_to_boundary", "acceptance_by_position")
 
 
 def pyplot():
@@ -57,8 +57,13 @@ def accept_len_vs_gamma(per_t: dict, path: str) -> None:
     for i, (tau, e) in enumerate(per_t.items()):
         gammas = np.arange(1, len(e["accept_len_rs"]) + 1)
         color = f"C{i}"
-        ax.plot(gammas, e["accept_len_rs"], "-", color=color, label=f"RS analytic, T={tau}")
-        ax.plot(gammas, e["accept_len_to"], "--", color=color, label=f"TO analytic, T={tau}")
+        ax.plot(gammas, e["accept_len_rs"], "-", color=color, label=f"RS Eq. 12 over positions, T={tau}")
+        ax.plot(gammas, e["accept_len_to"], "--", color=color, label=f"TO Eq. 12 over positions, T={tau}")
+        if "accept_len_decode_rs" in e:
+            exact = "decode-exact" if e.get("decode_exact") else "decode forecast (approx.)"
+            ax.plot(gammas, _none_to_nan(e["accept_len_decode_rs"]), "D-", color=color, lw=2,
+                    label=f"RS {exact}, T={tau}")
+            ax.plot(gammas, _none_to_nan(e["accept_len_decode_to"]), "D:", color=color, lw=2)
         if e["num_simulated_chains"]:
             ax.plot(gammas, _none_to_nan(e["empirical_accept_len_rs"]), "o", color=color, mfc="none",
                     label=f"RS simulated ({e['num_simulated_chains']} chains)")
@@ -163,6 +168,26 @@ def speedup_vs_gamma(speedup: dict, path: str) -> None:
     save(fig, path)
 
 
+def acceptance_by_position(per_t: dict, path: str) -> None:
+    """alpha_RS per step and the decode-exact E[L] of RS by context-position bucket."""
+    plt = pyplot()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, (tau, e) in enumerate(per_t.items()):
+        b = e["by_position"]
+        x = np.arange(len(b["buckets"]))
+        for k, alpha in enumerate(b["alpha_rs"]):
+            ax.plot(x, _none_to_nan(alpha), "o-", color=f"C{i}", alpha=1.0 - 0.5 * k / max(len(b["alpha_rs"]), 1),
+                    label=f"T={tau}, step {k + 1}")
+        ax2.plot(x, _none_to_nan(b["accept_len_decode_rs"]), "D-", color=f"C{i}", label=f"T={tau}")
+    for a, ylabel in ((ax, "alpha_RS"), (ax2, "decode-exact E[L] (RS, gamma = all steps)")):
+        a.set_xticks(x)
+        a.set_xticklabels([f"{n}\n({int(c)})" for n, c in zip(b["buckets"], b["count"])], fontsize=7)
+        a.set_xlabel("context position (positions)")
+        a.set_ylabel(ylabel)
+        a.legend(fontsize=7)
+    save(fig, path)
+
+
 def write_all(per_t: dict, scatter: list, tau: str, out_dir: str, speedup: dict | None = None) -> dict[str, str]:
     """Every plot; ``speedup_vs_gamma`` too when ``speedup`` (:func:`speedup_table`) is given."""
     os.makedirs(out_dir, exist_ok=True)
@@ -175,4 +200,5 @@ def write_all(per_t: dict, scatter: list, tau: str, out_dir: str, speedup: dict 
     acceptance_vs_entropy(per_t, tau, paths["acceptance_vs_entropy"])
     accept_len_vs_temperature(per_t, paths["accept_len_vs_temperature"])
     rs_vs_to_boundary(per_t, scatter, tau, paths["rs_vs_to_boundary"])
+    acceptance_by_position(per_t, paths["acceptance_by_position"])
     return paths

@@ -14,23 +14,32 @@ Everything is a float64 sum, so chunks, micro-batches and data-parallel ranks ad
 - empirical accepted drafts of simulated chains (:mod:`bebop_megatron.speculative`) for
   gamma = 1..G: one simulation of G drafts gives every shorter chain too, since a chain of
   g drafts accepts min(accepted of G, g) under the same random numbers;
-- a few (step, H(p), d_TV, 1 - p(argmax q)) points of this rank for the scatter plot.
+- a few (step, H(p), d_TV, 1 - p(argmax q)) points of this rank for the scatter plot;
+- the decode-exact forecast (:mod:`bebop_megatron.metrics.decode_exact`) per temperature,
+  gamma = 1..G and verification method: the expected accepted drafts and verifications of each
+  text (document), kept per text for the bootstrap over texts;
+- by context position bucket (the chain's position in its document): alpha_RS per step and
+  the decode-exact E[L](G) of RS, with counts.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from bebop_megatron.metrics.acceptance import acceptance_sums
+from bebop_megatron.metrics.decode_exact import decode_exact_rows, per_text_sums, ratio_interval, run_starts
 from bebop_megatron.metrics.entropy import line_from_moments
 from bebop_megatron.speculative import batched_rejection_sample, batched_target_only, sample_drafts
 
 SUM_KEYS = ("alpha_rs", "alpha_to", "entropy_target", "entropy_draft", "kl", "top1", "accept_len_rs",
             "accept_len_to", "count")
 MOMENTS = ("n", "sx", "sxx", "sy_rs", "sxy_rs", "sy_to", "sxy_to")
+POSITION_EDGES = (0, 512, 2048, 8192, 32768)  # context position buckets: [0, 512), ..., [32768, inf)
+DECODE_MODES = ("rs", "to")
 
 
 class AcceptanceReport:
@@ -52,6 +61,11 @@ class AcceptanceReport:
         # Per-position rows (for bootstrap intervals over positions): [K, n] chunks per temperature.
         self.keep_positions = keep_positions
         self.positions = [[] for _ in range(T)]
+        # Decode-exact: per temperature, [texts, mode, gamma, (accepted, verifications)] chunks of this rank.
+        self.decode = [[] for _ in range(T)]
+        P = len(POSITION_EDGES)
+        self.by_position = torch.zeros(T, 2, K, P, **f64)  # per step: chains reaching it, alpha_RS sums
+        self.by_position_decode = torch.zeros(T, 2, P, **f64)  # decode-exact RS at G: accepted, verifications
 
     # ------------------------------------------------------------------ updates
 
@@ -81,6 +95,41 @@ class AcceptanceReport:
             for k, t in list(zip(k_idx.tolist(), t_idx.tolist()))[:room]:
                 self.scatter[ti].append((k + 1, float(rows["entropy_target"][k, t]),
                                          1.0 - float(rows["alpha_rs"][k, t]), 1.0 - float(rows["alpha_to"][k, t])))
+
+    def add_decode(self, ti: int, accept_KBS: dict, chain_KBS, loss_mask_BS, segment_ids_BS, position_ids_BS) -> None:
+        """Add one micro-batch's decode-exact sums at temperature index ``ti``: ``accept_KBS``
+        maps ``rs`` / ``to`` to the acceptance given the realized token ``[K, B, S]``
+        (:func:`bebop_megatron.metrics.acceptance_rows` with labels), ``chain_KBS`` the chain mask."""
+        starts = run_starts(loss_mask_BS.cpu(), segment_ids_BS.cpu())
+        chain = chain_KBS.cpu()
+        seg = segment_ids_BS.cpu().numpy()
+        keep = chain[0].numpy()
+        per_text = None
+        for m, mode in enumerate(DECODE_MODES):
+            for g in range(1, self.G + 1):
+                acc, ver = decode_exact_rows(accept_KBS[mode], chain, starts, g)
+                sums = np.stack([per_text_sums(acc, seg, keep), per_text_sums(ver, seg, keep)], -1)
+                if per_text is None:
+                    per_text = np.zeros((len(sums), len(DECODE_MODES), self.G, 2))
+                per_text[:, m, g - 1] = sums
+                if mode == "rs" and g == self.G:
+                    bucket = _position_bucket(position_ids_BS.cpu().numpy())
+                    for i in range(len(POSITION_EDGES)):
+                        sel = bucket == i
+                        self.by_position_decode[ti, 0, i] += float(acc[sel].sum())
+                        self.by_position_decode[ti, 1, i] += float(ver[sel].sum())
+        if per_text is not None and len(per_text):
+            self.decode[ti].append(torch.from_numpy(per_text))
+
+    def add_position_rows(self, ti: int, alpha_rs_KBS, chain_KBS, position_ids_BS) -> None:
+        """alpha_RS per step and context-position bucket (sums and chain counts)."""
+        bucket = torch.from_numpy(_position_bucket(position_ids_BS.cpu().numpy()))
+        chain = chain_KBS.cpu().double()
+        alpha = alpha_rs_KBS.cpu().double() * chain
+        for i in range(len(POSITION_EDGES)):
+            sel = (bucket == i).double()
+            self.by_position[ti, 0, :, i] += (chain * sel).flatten(1).sum(-1)
+            self.by_position[ti, 1, :, i] += (alpha * sel).flatten(1).sum(-1)
 
     def simulate(self, ti: int, target_probs_nGV, draft_probs_nGV, trials: int, generator) -> None:
         """Run ``trials`` RS and target-only chains of G drafts per position.
@@ -121,12 +170,46 @@ class AcceptanceReport:
         """Sum every accumulator over ``group`` (the data-parallel ranks)."""
         if group is None or dist.get_world_size(group) == 1:
             return
-        for t in (self.sums, self.bins, self.moments, self.sim):
+        for t in (self.sums, self.bins, self.moments, self.sim, self.by_position, self.by_position_decode):
             buf = t.to(_comm_device(group))
             dist.all_reduce(buf, group=group)
             t.copy_(buf.cpu())
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, self.decode, group=group)
+        self.decode = [[chunk for rank_parts in gathered for chunk in rank_parts[ti]] for ti in range(len(self.decode))]
 
     # ------------------------------------------------------------------ summary
+
+    def decode_summary(self, ti: int) -> dict:
+        """Decode-exact E[L](g) per verification method, its 95% bootstrap interval over texts,
+        and the expected verifications (None where no text has a verification)."""
+        parts = self.decode[ti]
+        texts = torch.cat(parts).numpy() if parts else np.zeros((0, len(DECODE_MODES), self.G, 2))
+        out = {"num_texts": int(texts.shape[0])}
+        for m, mode in enumerate(DECODE_MODES):
+            values, intervals = [], []
+            for g in range(self.G):
+                ratio, ci = ratio_interval(texts[:, m, g, 0], texts[:, m, g, 1], seed=g)
+                values.append(ratio)
+                intervals.append(ci)
+            out[f"accept_len_decode_{mode}"] = values
+            out[f"accept_len_decode_{mode}_ci95"] = intervals
+            out[f"expected_verifications_{mode}"] = texts[:, m, :, 1].sum(0).tolist()
+        return out
+
+    def position_summary(self, ti: int) -> dict:
+        """By context-position bucket: chain counts, alpha_RS per step, decode-exact E[L](G) RS."""
+        chains_KP, alpha_KP = self.by_position[ti]
+        names = [f"{lo}-{hi}" if hi is not None else f"{lo}+"
+                 for lo, hi in zip(POSITION_EDGES, (*POSITION_EDGES[1:], None))]
+        acc, ver = self.by_position_decode[ti]
+        return {
+            "buckets": names,
+            "count": chains_KP[0].tolist(),
+            "alpha_rs": [_masked(a / c.clamp(min=1), c) for a, c in zip(alpha_KP, chains_KP)],
+            "accept_len_decode_rs": _masked(acc / ver.clamp(min=1e-300), ver),
+            "verifications": ver.tolist(),
+        }
 
     def summary(self) -> dict:
         out = {}
@@ -153,6 +236,8 @@ class AcceptanceReport:
                 "rs_win_fraction_per_step": [_masked(w / c.clamp(min=1), c) for w, c in zip(wins_KE, count_KE)],
             }
             entry["rs_win_fraction"] = (wins_KE.sum(-1) / count_KE.sum(-1).clamp(min=1)).tolist()
+            entry.update(self.decode_summary(ti))
+            entry["by_position"] = self.position_summary(ti)
             out[_key(tau)] = entry
         return out
 
@@ -182,6 +267,10 @@ def _finite(x):
 def _masked(values: torch.Tensor, counts: torch.Tensor) -> list:
     """JSON-safe: None for empty bins."""
     return [float(v) if c > 0 else None for v, c in zip(values.tolist(), counts.tolist())]
+
+
+def _position_bucket(position_ids: np.ndarray) -> np.ndarray:
+    return np.searchsorted(np.asarray(POSITION_EDGES), position_ids, side="right") - 1
 
 
 def _comm_device(group) -> torch.device:

@@ -8,9 +8,12 @@ per target forward. So, in units of one target forward::
 
     speed-up(gamma) = (1 + E[L](gamma)) / (1 + gamma * c_draft / c_target + overhead)
 
-- ``E[L](gamma)``: expected accepted drafts per verification, Eq. 12, sum_{j<=gamma}
-  prod_{i<=j} alpha_i per position, averaged over positions (``accept_len_rs`` /
-  ``accept_len_to`` of :class:`bebop_megatron.metrics.report.AcceptanceReport`);
+- ``E[L](gamma)``: expected accepted drafts per verification: the decode-exact forecast
+  (``accept_len_decode_rs`` / ``_to`` of :class:`bebop_megatron.metrics.report.AcceptanceReport`)
+  where the report marks the temperature ``decode_exact`` (text sampled from the backbone at
+  that temperature), else Eq. 12, sum_{j<=gamma} prod_{i<=j} alpha_i per position, averaged
+  over positions (``accept_len_rs`` / ``accept_len_to``), which overstates decoding; each
+  row names the one it used (``accept_len_used``);
 - ``c_target``: time of one target forward that verifies gamma + 1 tokens (taken equal to a
   plain decoding step, as in memory-bound decoding and with a prefix much longer than gamma);
 - ``c_draft``: time of one MTP step (one draft token);
@@ -88,9 +91,12 @@ def speedup_table(per_temperature: dict, costs: Costs, num_positions: int) -> di
            "per_temperature": {}}
     G = None
     for tau, entry in per_temperature.items():
-        row = {}
+        exact = bool(entry.get("decode_exact")) and all(
+            v is not None for which in ("rs", "to") for v in entry.get(f"accept_len_decode_{which}", [None]))
+        row = {"accept_len_used": "decode-exact" if exact else "Eq. 12 over every position"}
         for which in ("rs", "to"):
-            speedups = expected_speedup(entry[f"accept_len_{which}"], costs.draft_ratio, costs.overhead)
+            accept_len = entry[f"accept_len_decode_{which}" if exact else f"accept_len_{which}"]
+            speedups = expected_speedup(accept_len, costs.draft_ratio, costs.overhead)
             gamma, best = best_gamma(speedups)
             row[f"speedup_{which}"] = speedups
             row[f"best_gamma_{which}"], row[f"best_speedup_{which}"] = gamma, best
