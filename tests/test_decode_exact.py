@@ -1,4 +1,4 @@
-"""The decode-exact forecast (bebop_megatron/metrics/decode_exact.py) against a brute-force
+"""The decode-exact forecast (bebop_megatron/losses/decode_exact.py) against a brute-force
 simulation of speculative decoding, in float64.
 
 The simulation decodes packed rows of documents (a masked prompt, then a response of fixed
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bebop_megatron.losses import chain_mask
-from bebop_megatron.metrics.decode_exact import decode_exact_rows, per_text_sums, ratio_interval, run_starts
+from bebop_megatron.losses.decode_exact import decode_exact_rows, per_text_sums, ratio_interval, run_starts
 
 V, K = 5, 4
 

@@ -48,6 +48,7 @@ class DivergenceOptions:
     grad_in_forward: bool = False
     impl: str = "torch"  # the chunk kernel: "torch" (kernel_torch) or "triton" (kernel_triton, CUDA)
     vocab_size: int | None = None  # global columns >= vocab_size are Megatron's padding: logits -inf
+    label_accept: bool = False  # fused, with labels and stats: also min(1, q(x)/p(x)) at each row's label x
 
 
 def row_kernel(impl: str):

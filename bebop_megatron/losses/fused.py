@@ -53,9 +53,10 @@ import torch
 
 from bebop_megatron.losses.functions import DivergenceOptions, row_kernel
 from bebop_megatron.losses.kernel_torch import STAT_KEYS, TV_KL, Workspace, compute_dtype
-from bebop_megatron.losses.vocab import mask_padded_vocab_
+from bebop_megatron.losses.vocab import label_accept_rs, mask_padded_vocab_
 
 TOP1 = "top1"  # extra stat row when labels are given: 1 where argmax q is the data token
+ACCEPT_RS_LABEL = "accept_rs_label"  # with opts.label_accept: min(1, q(x) / p(x)) at the data token x
 KERNEL_BLOCKS = 8  # the elementwise kernel runs on chunk_tokens / KERNEL_BLOCKS rows at a time
 
 
@@ -80,7 +81,8 @@ class FusedLinearDivergence(torch.autograd.Function):
         dtype = compute_dtype(h_draft_KSBH.dtype, weight_VH.dtype)
         with_grad = ctx.needs_input_grad[0]
         kernel = row_kernel(opts.impl)
-        num_stats = (len(STAT_KEYS) + (labels_KSB is not None)) if opts.with_stats else 0
+        label_accept = opts.label_accept and labels_KSB is not None and opts.with_stats
+        num_stats = (len(STAT_KEYS) + (labels_KSB is not None) + label_accept) if opts.with_stats else 0
         pair = opts.kind == TV_KL  # two values and two gradient directions per row
         lead = (2,) if pair else ()
         value_KN = h_draft_KSBH.new_empty((*lead, K, S * B), dtype=dtype)
@@ -115,7 +117,12 @@ class FusedLinearDivergence(torch.autograd.Function):
                         if opts.with_stats:
                             stats_CKN[: len(STAT_KEYS), k - 1, flat] = out.stats_CR
                             if labels_KN is not None:
-                                stats_CKN[-1, k - 1, flat] = out.argmax_R == labels_KN[k - 1, flat]
+                                stats_CKN[len(STAT_KEYS), k - 1, flat] = out.argmax_R == labels_KN[k - 1, flat]
+                            if label_accept:  # before the gradient overwrites the draft logits
+                                stats_CKN[-1, k - 1, flat] = label_accept_rs(
+                                    draft_RV[rows], target_RV[rows], labels_KN[k - 1, flat], out.saved_CR,
+                                    target_temperature=opts.target_temperature,
+                                    draft_temperature=opts.draft_temperature, tp_group=opts.tp_group)
                         if with_grad:  # these draft logits are read: their rows now hold the gradient
                             draft_RV[rows].copy_(out.grad_RV)
                         if kl_dir_RV is not None:
@@ -147,4 +154,4 @@ class FusedLinearDivergence(torch.autograd.Function):
         return grad.to(ctx.draft_dtype), None, None, None, None
 
 
-__all__ = ["FusedLinearDivergence", "TOP1"]
+__all__ = ["ACCEPT_RS_LABEL", "FusedLinearDivergence", "TOP1"]

@@ -178,7 +178,7 @@ OBJECTIVE_KINDS = ("e2e_tv", "tv", "kl", "reverse_kl", *COLD_START_KINDS)
 def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *, labels=None, tp_group=None,
                            target_temperature=1.0, draft_temperature=1.0, reduction="mean",
                            chunk_tokens=DEFAULT_CHUNK_TOKENS, return_stats=False, impl="torch", vocab_size=None,
-                           lk_eta=DEFAULT_LK_ETA):
+                           lk_eta=DEFAULT_LK_ETA, label_rows=False):
     """An objective computed from hidden states through the output projection, chunked.
 
     Plain-torch equivalent (what it computes, without ever holding all logits)::
@@ -200,11 +200,18 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
 
     ``lk_eta``: eta of ``lk`` / ``e2e_lk`` (ignored by the other kinds).
 
+    ``label_rows`` (with ``labels`` and ``return_stats``): the stats also hold ``label_rows``,
+    ``[2, K, S * B]`` per row: min(1, q(x) / p(x)) and 1[x = argmax q] at the data token x
+    (the acceptance of an RS / greedy draft given the realized token, for the decode-exact
+    forecast of :mod:`bebop_megatron.losses.decode_exact`; one more all-reduce per chunk).
+
     Differentiable w.r.t. ``draft_hidden`` only; under TP the returned gradient is this
     rank's partial sum. The gradient is computed during the forward (see
     :mod:`bebop_megatron.losses.fused` for the chunking, the memory bound and the cost).
     """
-    from bebop_megatron.losses.fused import TOP1, FusedLinearDivergence
+    import dataclasses
+
+    from bebop_megatron.losses.fused import ACCEPT_RS_LABEL, TOP1, FusedLinearDivergence
 
     if kind not in OBJECTIVE_KINDS:
         raise ValueError(f"kind must be one of {OBJECTIVE_KINDS}, got {kind!r}")
@@ -224,14 +231,21 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
         return_stats=return_stats, impl=impl, vocab_size=vocab_size,
     )
     lk_eta = check_lk_eta(lk_eta)
+    if label_rows:
+        if labels is None or not return_stats:
+            raise ValueError("label_rows needs labels and return_stats=True")
+        opts = dataclasses.replace(opts, label_accept=True)
     inside = torch.arange(S, device=valid.device)[None, :] + torch.arange(1, K + 1, device=valid.device)[:, None] < S
     valid_KN = (valid.bool() & inside[..., None]).flatten(1)
     value_KSB, stats_CKSB = FusedLinearDivergence.apply(
         draft_hidden, backbone_hidden.detach(), weight.detach(), labels, opts
     )
-    keys = STAT_KEYS + ((TOP1,) if labels is not None else ())
-    return _combine(kind, value_KSB.flatten(-2), stats_CKSB.flatten(2), valid_KN, reduction, return_stats, keys,
-                    lk_eta=lk_eta)
+    keys = STAT_KEYS + ((TOP1,) if labels is not None else ()) + ((ACCEPT_RS_LABEL,) if label_rows else ())
+    stats_CKN = stats_CKSB.flatten(2)
+    result = _combine(kind, value_KSB.flatten(-2), stats_CKN, valid_KN, reduction, return_stats, keys, lk_eta=lk_eta)
+    if label_rows:
+        result[1]["label_rows"] = stats_CKN[[keys.index(ACCEPT_RS_LABEL), keys.index(TOP1)]]
+    return result
 
 
 def _doc(summary: str, body: str) -> str:

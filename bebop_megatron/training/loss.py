@@ -22,9 +22,13 @@ from megatron.core import tensor_parallel
 from bebop_megatron.config import LossConfig
 from bebop_megatron.data import Batch
 from bebop_megatron.losses import ACCEPT_LEN_KEYS, STAT_KEYS, chain_mask, fused_linear_objective
+from bebop_megatron.losses.decode_exact import decode_exact_rows, run_starts
 from bebop_megatron.losses.vocab import masked_padded_vocab
 
-STAT_ROWS = ("ce_sum", "top1_correct", "count", *STAT_KEYS, *ACCEPT_LEN_KEYS)
+# Decode-exact sums (held-out pass only; zeros otherwise): entry g-1 is gamma g's expected
+# accepted drafts / verifications over the batch's texts (bebop_megatron.losses.decode_exact).
+DECODE_ROWS = ("decode_accepted_rs", "decode_verifications_rs", "decode_accepted_to", "decode_verifications_to")
+STAT_ROWS = ("ce_sum", "top1_correct", "count", *STAT_KEYS, *ACCEPT_LEN_KEYS, *DECODE_ROWS)
 
 
 def chain_valid(loss_mask_BS: torch.Tensor, num_steps: int, segment_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,7 +81,7 @@ def output_weight_of(model) -> torch.Tensor:
 
 
 def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: LossConfig,
-             vocab_size: int | None = None):
+             vocab_size: int | None = None, decode_exact: bool = False):
     """Returns ``(loss_sum, num_positions, stats)``; ``stats`` is ``[len(STAT_ROWS), K]`` sums.
 
     ``loss_cfg.type``: ``ce`` (data tokens, through Megatron's output layer and vocab-parallel
@@ -88,6 +92,9 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     alpha_TO, entropies, KL) are computed for every objective, so runs compare directly.
     ``vocab_size`` (``model.vocab_size``): columns from it on are Megatron's vocabulary
     padding; every objective and statistic excludes them (logit -inf).
+    ``decode_exact`` (the held-out pass): also the ``DECODE_ROWS`` sums, the decode-exact
+    forecast on the batch's text for gamma = 1..K (exact where that text was sampled from the
+    backbone at the loss's temperature; one more all-reduce per chunk).
     """
     K = num_steps
     chunks = torch.chunk(hidden, 1 + K, dim=0)
@@ -108,7 +115,7 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
         labels=data_targets_KSB, tp_group=tp_group, target_temperature=loss_cfg.target_temperature,
         draft_temperature=loss_cfg.draft_temperature, reduction="sum",
         chunk_tokens=loss_cfg.chunk_tokens, return_stats=True, impl=loss_cfg.impl, vocab_size=vocab_size,
-        lk_eta=loss_cfg.lk_eta,
+        lk_eta=loss_cfg.lk_eta, label_rows=decode_exact,
     )
     args = (objective, draft_KSBH, backbone_SBH, weight_VH, valid_KSB)
     if loss_cfg.type == "ce":
@@ -128,7 +135,26 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     stats[1] = dist_stats["top1"].float()
     for row, key in enumerate(STAT_KEYS + ACCEPT_LEN_KEYS, start=3):
         stats[row] = dist_stats[key].float()
+    if decode_exact:
+        stats[STAT_ROWS.index(DECODE_ROWS[0]):] = decode_exact_sums(dist_stats["label_rows"], valid_KSB, batch,
+                                                                    K).to(stats)
     return loss_sum.float(), num_positions, stats
+
+
+def decode_exact_sums(label_rows_2KN: torch.Tensor, valid_KSB: torch.Tensor, batch: Batch, K: int) -> torch.Tensor:
+    """``[4, K]`` (``DECODE_ROWS``): per gamma g = 1..K, the expected accepted drafts and
+    verifications of RS and greedy (TO) decoding on the batch's text, from the acceptance given
+    each realized token (``label_rows``: RS, TO, ``[2, K, S * B]``)."""
+    S, B = valid_KSB.shape[1], valid_KSB.shape[2]
+    given = label_rows_2KN.detach().view(2, K, S, B).transpose(2, 3).double().cpu()  # [2, K, B, S]
+    chain = valid_KSB.transpose(1, 2).cpu()
+    starts = run_starts(batch.loss_mask.cpu(), batch.segment_ids.cpu())
+    out = torch.zeros(4, K, dtype=torch.float64)
+    for m in range(2):
+        for g in range(1, K + 1):
+            acc, ver = decode_exact_rows(given[m], chain, starts, g)
+            out[2 * m, g - 1], out[2 * m + 1, g - 1] = float(acc.sum()), float(ver.sum())
+    return out
 
 
 def mtp_ce_loss(model, hidden, batch: Batch, num_steps: int, tp_group, vocab_size: int | None = None):

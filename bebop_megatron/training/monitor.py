@@ -130,7 +130,9 @@ def step_scalars(m, mfu: float | None, peak_mem_gib: float, skipped_total: int) 
         values["perf/mfu"] = mfu
     for name, series in (("alpha_rs", m.alpha_rs), ("alpha_to", m.alpha_to), ("top1", m.top1),
                          ("entropy_target", m.entropy_target), ("entropy_draft", m.entropy_draft),
-                         ("kl", m.kl), ("accept_len_rs", m.accept_len_rs), ("accept_len_to", m.accept_len_to)):
+                         ("kl", m.kl), ("accept_len_rs", m.accept_len_rs), ("accept_len_to", m.accept_len_to),
+                         ("accept_len_decode_rs", m.accept_len_decode_rs),
+                         ("accept_len_decode_to", m.accept_len_decode_to)):
         for k, value in enumerate(series, start=1):
             values[f"mtp/{name}_step{k}"] = value
     return values

@@ -29,6 +29,10 @@ class StepMetrics:
     # averaged over the positions whose chain reaches g (rejection sampling / target-only).
     accept_len_rs: list[float] = field(default_factory=list)
     accept_len_to: list[float] = field(default_factory=list)
+    # The decode-exact forecast E[L](g) (held-out pass only; empty otherwise): expected accepted
+    # drafts over expected verifications on the held-out text (bebop_megatron.losses.decode_exact).
+    accept_len_decode_rs: list[float] = field(default_factory=list)
+    accept_len_decode_to: list[float] = field(default_factory=list)
     tokens_per_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -67,6 +71,10 @@ def reduce_step_metrics(
     rows = dict(zip(STAT_ROWS, report[3:].view(R, K)))
     count = rows["count"].clamp(min=1)
     mean = {name: (value / count).tolist() for name, value in rows.items()}
+    decode = {}
+    for which in ("rs", "to"):
+        ver = rows[f"decode_verifications_{which}"]
+        decode[which] = (rows[f"decode_accepted_{which}"] / ver.clamp(min=1e-30)).tolist() if bool((ver > 0).all()) else []
     return StepMetrics(
         step=step,
         loss=float(report[0] / report[1].clamp(min=1)),
@@ -81,6 +89,8 @@ def reduce_step_metrics(
         kl=mean["kl"],
         accept_len_rs=mean["accept_len_rs"],
         accept_len_to=mean["accept_len_to"],
+        accept_len_decode_rs=decode["rs"],
+        accept_len_decode_to=decode["to"],
     )
 
 
@@ -105,7 +115,9 @@ def eval_line(m: StepMetrics, seconds: float, *, loss_type: str) -> str:
         f"eval  {m.step:>5} | {m.extra['rows']} rows | {loss_type} {m.loss:.4f} | "
         f"alpha_RS [{per_step(m.alpha_rs)}] | alpha_TO [{per_step(m.alpha_to)}] | "
         f"E[L] RS [{per_step(m.accept_len_rs)}] TO [{per_step(m.accept_len_to)}] | "
-        f"top1 [{per_step(m.top1)}] | H(p) {m.entropy_target[0]:.2f} | {seconds:.1f}s"
+        + (f"decode-exact E[L] RS [{per_step(m.accept_len_decode_rs)}] TO [{per_step(m.accept_len_decode_to)}] | "
+           if m.accept_len_decode_rs else "")
+        + f"top1 [{per_step(m.top1)}] | H(p) {m.entropy_target[0]:.2f} | {seconds:.1f}s"
     )
 
 

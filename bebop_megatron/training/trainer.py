@@ -57,7 +57,8 @@ from bebop_megatron.training.step_metrics import (
 )
 
 
-def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device, loss_cfg, vocab_size: int):
+def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device, loss_cfg, vocab_size: int,
+                  decode_exact: bool = False):
     batch = next(data_iterator)
     # Packed rows: causal attention within each document (None: plain causal). Rotary
     # embeddings are relative, so the row's running positions give each document the same
@@ -72,7 +73,7 @@ def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device,
     def loss_func(hidden):
         loss_sum, count, stats = mtp_loss(
             unwrapped, hidden, batch, num_steps, parallel_state.get_tensor_model_parallel_group(), loss_cfg,
-            vocab_size=vocab_size,
+            vocab_size=vocab_size, decode_exact=decode_exact,
         )
         return loss_sum, count, {"loss_sum": loss_sum.detach(), "count": count, "stats": stats}
 
@@ -199,12 +200,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- step
 
-    def forward_backward(self, micro_batches, force_all_reduce: bool = False, forward_only: bool = False) -> list:
+    def forward_backward(self, micro_batches, force_all_reduce: bool = False, forward_only: bool = False,
+                         decode_exact: bool = False) -> list:
         """Zero grads, then forward/backward over the step's micro-batches (grads finalized).
 
         ``force_all_reduce`` leaves the full gradient on every rank also with the
         distributed optimizer (which otherwise reduce-scatters). ``forward_only``: the
-        loss and statistics only, gradients untouched.
+        loss and statistics only, gradients untouched. ``decode_exact``: also the decode-exact
+        forecast's sums (the held-out pass).
         """
         if not forward_only:
             self.model.zero_grad_buffer()
@@ -212,7 +215,7 @@ class Trainer:
         return run_microbatches(
             forward_step_func=functools.partial(
                 _forward_step, num_steps=self.cfg.mtp.num_steps, device=self._comm_device,
-                loss_cfg=self.cfg.loss, vocab_size=self.cfg.model.vocab_size,
+                loss_cfg=self.cfg.loss, vocab_size=self.cfg.model.vocab_size, decode_exact=decode_exact,
             ),
             data_iterator=iter(micro_batches),
             model=self.model,
@@ -247,7 +250,7 @@ class Trainer:
                 dp_rank=parallel_state.get_data_parallel_rank(),
                 dp_size=parallel_state.get_data_parallel_world_size(),
             ):
-                outputs += self.forward_backward(micro_batches, forward_only=True)
+                outputs += self.forward_backward(micro_batches, forward_only=True, decode_exact=True)
         metrics = self.reduce_metrics(outputs, torch.tensor(0.0))
         metrics.extra["rows"] = num_rows
         return metrics

@@ -4,8 +4,10 @@
 
 Loads the checkpoint the way the tool does, runs the tool's per-micro-batch statistics
 (T=1) on the first micro-batches of the held-out data, and compares alpha_RS, alpha_TO,
-top-1, H(p), H(q), KL and the positions per step with ``training.loss.mtp_loss`` (the fused
-objective the trainer logs) on the same batches. Writes ``{errors, count}`` as JSON.
+top-1, H(p), H(q), KL, the positions per step and the decode-exact sums (expected accepted
+drafts and verifications, RS and TO, every gamma) with ``training.loss.mtp_loss`` (the fused
+objective the trainer logs, ``decode_exact=True`` as in its held-out pass) on the same
+batches. Writes ``{errors, count}`` as JSON.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def main() -> None:
         with torch.no_grad():
             hidden = model(batch.tokens, batch.position_ids, mask)
             _, _, stats = mtp_loss(model, hidden, batch, K, tp_group, LossConfig(type="e2e_tv"),
-                                   vocab_size=cfg.model.vocab_size)
+                                   vocab_size=cfg.model.vocab_size, decode_exact=True)
         want += stats.double()
     got = dict(zip(SUM_KEYS, report.sums[0]))
     ref = dict(zip(STAT_ROWS, want))
@@ -71,6 +73,13 @@ def main() -> None:
     pairs.update({k: k for k in ("accept_len_rs", "accept_len_to") if k in ref})
     errors = {name: float((got[name] - ref[other]).abs().max() / ref[other].abs().max().clamp(min=1e-30))
               for name, other in pairs.items()}
+    # The report keeps per-text decode-exact sums [texts, mode, gamma, (accepted, verifications)].
+    texts = torch.cat(report.decode[0]).sum(0)
+    for m, mode in enumerate(("rs", "to")):
+        for c, what in enumerate(("accepted", "verifications")):
+            ref_row = ref[f"decode_{what}_{mode}"]
+            errors[f"decode_{what}_{mode}"] = float((texts[m, :, c] - ref_row).abs().max()
+                                                    / ref_row.abs().max().clamp(min=1e-30))
     with open(cli.out, "w") as f:
         json.dump({"errors": errors, "count": ref["count"].tolist()}, f, indent=1)
 
