@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from bebop_megatron.data import Batch
-from bebop_megatron.training.loss import STAT_ROWS, chain_valid, mtp_ce_loss
+from bebop_megatron.training.loss import DECODE_ROWS, STAT_ROWS, chain_valid, mtp_ce_loss
 
 
 def brute_force_chain(loss_mask, K, segment_ids=None):
@@ -335,7 +335,47 @@ def test_mtp_loss_targets_are_the_backbone_shifted_by_k(megatron_single_process,
     assert int(count) == int(valid[0].sum())
     torch.testing.assert_close(loss_sum.double(), ref_sum, rtol=1e-5, atol=1e-6)
     for row, key in enumerate(STAT_ROWS[3:], start=3):
+        if key in DECODE_ROWS:  # the held-out pass's only
+            assert not stats[row].any()
+            continue
         torch.testing.assert_close(stats[row].double(), ref_stats[key], rtol=1e-4, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("loss_type", ["e2e_tv", "ce"])
+def test_mtp_loss_decode_exact_rows(megatron_single_process, loss_type):
+    """``decode_exact=True``: the decode-exact sums equal the recursion run on a float64
+    reference of min(1, q(x)/p(x)) and 1[x = argmax q] at the data tokens (temperatures
+    0.8 / 1.2, chunks of 5 rows)."""
+    from bebop_megatron.config import LossConfig
+    from bebop_megatron.losses.decode_exact import decode_exact_rows, run_starts
+    from bebop_megatron.training.loss import mtp_loss
+
+    B, S, H, V, K = 2, 13, 8, 23, 3
+    hidden_64, weight_64, batch = _make_case(B, S, H, V, K, seed=5)
+    cfg = LossConfig(type=loss_type, target_temperature=0.8, draft_temperature=1.2, chunk_tokens=5)
+    with torch.no_grad():
+        _, _, stats = mtp_loss(StandInModel(weight_64.float()), hidden_64.float(), batch, K, megatron_single_process,
+                               cfg, decode_exact=True)
+    logits = torch.stack([(hidden_64[k * S:(k + 1) * S] @ weight_64.t()) for k in range(K + 1)])  # [1+K, S, B, V]
+    given = torch.zeros(2, K, B, S, dtype=torch.float64)
+    for k in range(1, K + 1):
+        for t in range(S - k):
+            x = batch.labels[:, t + k]  # step k at t proposes labels[t+k]
+            p = torch.softmax(logits[0, t + k] / 0.8, -1)
+            q = torch.softmax(logits[k, t] / 1.2, -1)
+            px, qx = p.gather(-1, x[:, None])[:, 0], q.gather(-1, x[:, None])[:, 0]
+            given[0, k - 1, :, t] = torch.minimum(px, qx) / px
+            given[1, k - 1, :, t] = (q.argmax(-1) == x).double()
+    chain = brute_force_chain(batch.loss_mask, K)  # [K, B, S]
+    starts = run_starts(batch.loss_mask, batch.segment_ids)
+    assert chain[0].any()
+    for m, mode in enumerate(("rs", "to")):
+        for g in range(1, K + 1):
+            acc, ver = decode_exact_rows(given[m], chain, starts, g)
+            got_acc = stats[STAT_ROWS.index(f"decode_accepted_{mode}"), g - 1].item()
+            got_ver = stats[STAT_ROWS.index(f"decode_verifications_{mode}"), g - 1].item()
+            assert got_acc == pytest.approx(acc.sum(), rel=1e-5, abs=1e-6), (mode, g)
+            assert got_ver == pytest.approx(ver.sum(), rel=1e-5, abs=1e-6), (mode, g)
 
 
 def test_mtp_ce_loss_excludes_padded_vocabulary(megatron_single_process):
