@@ -40,9 +40,16 @@ PLOTS = {"alpha_per_step", "accept_len_vs_gamma", "acceptance_vs_entropy", "acce
          "rs_vs_to_boundary", "speedup_vs_gamma", "acceptance_by_position"}
 
 
+def PROMPTS12(d):
+    """tiny_valid.jsonl's first 12 lines, the prompts of both --sample-prompts and speculative_generate."""
+    path = d / "prompts12.jsonl"
+    path.write_text("".join(VALID.read_text().splitlines(keepends=True)[:12]))
+    return path
+
+
 def SPEC_ARGV(checkpoint, d):
-    """speculative_generate on the prompts of the --sample call's rows (tiny_valid.jsonl's first lines)."""
-    return ["--checkpoint", checkpoint, "--prompts", VALID, "--limit", "12", "--gamma", "2", "--max-new-tokens", "24",
+    """speculative_generate on the prompts of the --sample-prompts call."""
+    return ["--checkpoint", checkpoint, "--prompts", PROMPTS12(d), "--gamma", "2", "--max-new-tokens", "24",
             "--json", d / "spec.json"]
 
 
@@ -106,6 +113,9 @@ def runs(checkpoint, tmp_path_factory):
         "sample": ["--checkpoint", checkpoint, "--data", VALID, "--sample", "--max-new-tokens", "24", "--max-rows", "12",
                    "--temperatures", "1.0", "--gamma", "2", "--cost-ratio", "0.1", "--no-progress",
                    "--sim-positions", "0", "--out-dir", d / "r_sample"],
+        "sample_prompts": ["--checkpoint", checkpoint, "--data", VALID, "--sample", "--sample-prompts", PROMPTS12(d),
+                           "--max-new-tokens", "24", "--temperatures", "1.0", "--gamma", "2", "--no-speedup",
+                           "--no-progress", "--sim-positions", "0", "--out-dir", d / "r_sample_prompts"],
     }
     results = run_batch([{"tool": "eval_acceptance", "argv": [str(a) for a in argv]} for argv in calls.values()]
                         + [{"tool": "speculative_generate", "argv": [str(a) for a in SPEC_ARGV(checkpoint, d)]}],
@@ -138,22 +148,26 @@ def test_decode_exact_flags_and_speedup_basis(runs):
 
 
 def test_sample_agrees_with_speculative_decoding(runs):
-    """--sample at T=1 (continuations of the held-out prompts from the backbone) forecasts what
-    speculative_generate measures on the same prompts, within the two intervals pooled."""
+    """--sample at T=1 (continuations sampled from the backbone) forecasts what
+    speculative_generate measures on the same prompts (--sample-prompts), within the two
+    intervals pooled; without --sample-prompts the held-out data's own prompts are continued."""
     results, d = runs
-    proc, spec = results["sample"], results["speculative"]
+    proc, spec = results["sample_prompts"], results["speculative"]
+    assert results["sample"].returncode == 0, results["sample"].stderr[-3000:]
+    own = json.loads((d / "r_sample" / "report.json").read_text())
+    assert own["per_temperature"]["1"]["num_texts"] == 14  # the documents of the 12 packed rows (two hold two)
+    assert own["per_temperature"]["1"]["decode_exact"] is True and own["sampled"]["max_new_tokens"] == 24
+    assert own["speedup"]["per_temperature"]["1"]["accept_len_used"] == "decode-exact"
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert spec.returncode == 0, spec.stderr[-3000:]
-    report = json.loads((d / "r_sample" / "report.json").read_text())
+    report = json.loads((d / "r_sample_prompts" / "report.json").read_text())
     e = report["per_temperature"]["1"]
-    assert e["decode_exact"] is True and report["sampled"]["max_new_tokens"] == 24
-    assert e["num_texts"] == 14  # the documents of the 12 packed rows (two rows hold two)
     measured = json.loads((d / "spec.json").read_text())
+    assert e["decode_exact"] is True and e["num_texts"] == measured["num_prompts"]
     lo, hi = measured["ci95"]
     flo, fhi = e["accept_len_decode_rs_ci95"][-1]
     half = ((hi - lo) ** 2 + (fhi - flo) ** 2) ** 0.5 / 2
     assert abs(measured["measured_accept_len"] - e["accept_len_decode_rs"][-1]) < half, (measured, e)
-    assert report["speedup"]["per_temperature"]["1"]["accept_len_used"] == "decode-exact"
 
 
 def png_size(path: Path) -> tuple[int, int]:

@@ -89,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                             "temperature decode-exact (needs --tensor-parallel 1)")
     exact.add_argument("--max-new-tokens", type=int, default=None,
                        help="with --sample: tokens per continuation (default: up to the run's train.seq_length)")
+    exact.add_argument("--sample-prompts", default=None, metavar="FILE",
+                       help="with --sample: continue these prompts instead of the held-out data's own, read and "
+                            "templated as tools/speculative_generate.py reads --prompts (its stop tokens too), so "
+                            "that the forecast and a decoding run see the same prompts")
     parser.add_argument("--positions-out", default=None, metavar="FILE",
                         help="also save the per-position alpha_RS, alpha_TO, H(p) and chain mask ([K, N] per "
                              "temperature, torch.save) for bootstrap intervals over positions")
@@ -125,8 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--entropy-bin-width must be > 0")
     if args.data_temperature is not None and not 0 < args.data_temperature < float("inf"):
         parser.error(f"--data-temperature must be a finite number > 0, got {args.data_temperature}")
-    if args.max_new_tokens is not None and not args.sample:
-        parser.error("--max-new-tokens goes with --sample")
+    for name in ("max_new_tokens", "sample_prompts"):
+        if getattr(args, name) is not None and not args.sample:
+            parser.error(f"--{name.replace('_', '-')} goes with --sample")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
     if args.sample and args.data_temperature is not None:
@@ -266,13 +271,21 @@ def sample_on_policy(model, cfg, dataset, num_rows: int, tau: float, args, rank:
     from bebop_megatron.speculative.megatron_model import MegatronSpecModel
     from bebop_megatron.speculative.onpolicy import SampledRows, held_out_prompts, sample_texts
 
-    prompts = held_out_prompts(dataset, num_rows)
-    stop_ids = ()
-    if not is_synthetic(args):  # the synthetic language has no end-of-text token
-        from bebop_megatron.data.tokenizer import tokenizer_from_dir
-        from bebop_megatron.speculative.session import stop_ids_of
+    from bebop_megatron.data.tokenizer import tokenizer_from_dir
+    from bebop_megatron.speculative.session import prompt_ids, stop_ids_of
 
-        stop_ids = stop_ids_of(tokenizer_from_dir(cfg.data.tokenizer))
+    stop_ids = ()
+    if args.sample_prompts:  # exactly as tools/speculative_generate.py
+        from bebop_megatron.data.generate import read_prompts
+
+        tokenizer = tokenizer_from_dir(cfg.data.tokenizer)
+        prompts = [prompt_ids(tokenizer, p.messages)
+                   for p in read_prompts(args.sample_prompts, drop_response=True).prompts]
+        stop_ids = stop_ids_of(tokenizer)
+    else:
+        prompts = held_out_prompts(dataset, num_rows)
+        if not is_synthetic(args):  # the synthetic language has no end-of-text token
+            stop_ids = stop_ids_of(tokenizer_from_dir(cfg.data.tokenizer))
     spec = MegatronSpecModel(model, cfg.model.vocab_size)
     mine = list(range(rank, len(prompts), world))
     texts = sample_texts(spec, prompts, temperature=tau, max_new_tokens=args.max_new_tokens,
@@ -501,6 +514,10 @@ def main(argv=None) -> dict | None:
 
     if not is_synthetic(args):
         parse_sources(args.data, "--data")  # named as given here, not as the config field it becomes
+    if args.sample_prompts:
+        from bebop_megatron.data.generate import read_prompts
+
+        read_prompts(args.sample_prompts, drop_response=True)  # a wrong file fails before the model loads
     result = evaluate(args)
     if result is not None:
         print_summary(result)
