@@ -97,9 +97,16 @@ def load_trained_model(cfg, ckpt_path: str, device):
     """Build the model as the trainer does (``cfg`` after ``setup_parallel``), load the backbone
     (``model.backbone_checkpoint``, ``model.init_checkpoint``, or the seeded initialisation)
     and the trained MTP layers of ``ckpt_path``; eval mode. A training checkpoint holds the
-    MTP weights (and optimizer), not the frozen backbone."""
+    MTP weights (and optimizer), not the frozen backbone: one whose files changed under the
+    recorded path since (re-imported with other weights) is refused, as on resume."""
     from bebop_megatron.model import build_model
+    from bebop_megatron.training.fingerprint import backbone_record
+    from bebop_megatron.training.resume import StartError, backbone_change
 
+    current = backbone_record(cfg.model.backbone_checkpoint, cfg.model.init_checkpoint, cfg.train.seed)
+    change = backbone_change(ckpt_path, current)
+    if change:  # its MTP heads would be measured against (or decode with) another model
+        raise StartError(f"cannot load {ckpt_path}: {change}; restore that backbone (the heads were trained on it)")
     model = build_model(cfg, device)
     if cfg.model.backbone_checkpoint:
         load_model_weights(cfg.model.backbone_checkpoint, model, backbone_only=True)

@@ -288,18 +288,27 @@ def plan_start(cfg: Config) -> Plan:
     return plan
 
 
-def _check_same_backbone(path: str, current: dict) -> None:
-    """Refuse a backbone whose files changed under the same path (a moved or changed path is
-    a config change, refused by :func:`compare_configs`). Older checkpoints record none."""
+def backbone_change(path: str, current: dict) -> str | None:
+    """How the backbone ``current`` (:func:`backbone_record`) differs from the one the training
+    checkpoint ``path`` was trained on: its files changed under the same path; None when they
+    did not (or older checkpoints, which record none). Resume and the evaluation tools
+    (:func:`bebop_megatron.training.model_weights.load_trained_model`) refuse it."""
     saved = common_state(path).get("backbone")
     if not saved or not saved.get("fingerprint") or not current.get("fingerprint"):
-        return
+        return None
     if saved.get("path") == current["path"] and saved["fingerprint"] != current["fingerprint"]:
-        raise StartError(
-            f"cannot resume from {path}: the backbone {current['path']} is not the one the checkpoint was trained on "
-            f"(its files changed: fingerprint {short(current['fingerprint'])}, trained on "
-            f"{short(saved['fingerprint'])}); restore that backbone, or start a new run in another save.dir"
-        )
+        return (f"the backbone {current['path']} is not the one the checkpoint was trained on (its files changed: "
+                f"fingerprint {short(current['fingerprint'])}, trained on {short(saved['fingerprint'])})")
+    return None
+
+
+def _check_same_backbone(path: str, current: dict) -> None:
+    """Refuse a backbone whose files changed under the same path (a moved or changed path is
+    a config change, refused by :func:`compare_configs`)."""
+    change = backbone_change(path, current)
+    if change:
+        raise StartError(f"cannot resume from {path}: {change}; restore that backbone, or start a new run in another "
+                         "save.dir")
 
 
 def _check_same_data(path: str, current: dict) -> None:
