@@ -69,9 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="check names, shapes and K steps of draft logits after writing (default: on)")
     p.add_argument("--tolerance", type=float, default=1e-4,
-                   help="max |logits difference| relative to max(1, |logits|) (default 1e-4; float32)")
+                   help="max |logits difference| relative to max(1, |logits|), > 0 (default 1e-4; float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.tolerance > 0 or args.tolerance == float("inf"):  # NaN fails too; checked before the export
+        p.error(f"--tolerance must be a positive number, got {args.tolerance}")
+    return args
 
 
 def main(argv=None) -> None:
