@@ -20,7 +20,9 @@ Run the same command again to resume: samples already in --out are skipped (a tr
 last line from an interrupted write is cut away), and every sample is appended and flushed
 as soon as it is done, so Ctrl-C (exit status 130) loses nothing finished. The sampling
 settings (the model, --temperature, --top-p, --max-new-tokens, --seed) are recorded in
-<out>.settings.json: a resume with other ones is refused, naming them. Identical prompts
+<out>.settings.json: a resume with other ones is refused, naming them. One run writes an
+--out at a time: it holds <out>.lock (as training holds save.dir/run.lock), and a second run
+on the same --out is refused, naming the first; a lock whose run is gone is taken over. Identical prompts
 are generated once; empty responses (and, with --dedupe-responses, repeated ones) are not
 written. A sample that fails (endpoint errors after --retries) prints one `error:` line;
 the others go on, and the exit status is 1 if any failed (rerun to retry them); bad
@@ -45,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.split("\n")[1:]))
     parser.add_argument("--prompts", required=True, metavar="FILE", help="prompts JSONL")
-    parser.add_argument("--out", required=True, metavar="FILE", help="output JSONL (appended to; resumed if present)")
+    parser.add_argument("--out", required=True, metavar="FILE",
+                        help="output JSONL (appended to; resumed if present); one run at a time (<out>.lock)")
     backend = parser.add_argument_group("backend (exactly one)")
     backend.add_argument("--hf-dir", metavar="DIR", help="local Hugging Face model directory (transformers)")
     backend.add_argument("--endpoint", metavar="URL",
@@ -111,6 +114,21 @@ def main(argv=None) -> int:
     """Exit status: 0, or 1 when some samples failed; raises ``ValueError`` on user errors."""
     args = parse_args(argv)
     check_args(args)
+    from bebop_megatron.training import lock
+
+    # Two runs appending to one --out would each generate (and write) the samples the other has not
+    # written yet: one run per --out, as one training run per save.dir.
+    lock_path = f"{args.out}.lock"
+    notice = lock.acquire_file(lock_path, f"--out {args.out}", "--out", "file")
+    if notice:
+        print(notice, file=sys.stderr)
+    try:
+        return _generate(args)
+    finally:
+        lock.release(lock_path, lock.this_run())
+
+
+def _generate(args: argparse.Namespace) -> int:
     from bebop_megatron.data.generate import (check_settings, load_existing, plan_jobs, read_prompts, run_generation,
                                               write_settings)
 
