@@ -142,10 +142,9 @@ def resolve_checkpoint(path: str) -> str:
             raise EvalError(f"checkpoint not found: {marker} names {found}, which is not a complete checkpoint")
         return found
     if os.path.isfile(os.path.join(path, "bebop_model.yaml")):  # convert.importer's record of the sizes
-        raise EvalError(f"--checkpoint {path} is a model imported by tools/convert_from_hf.py, not a training "
-                         f"checkpoint: train MTP heads on it (model.backbone_checkpoint={path}, or "
-                         "model.init_checkpoint to start from its MTP layers, with the settings of its "
-                         "bebop_model.yaml) and pass that run's save.dir")
+        from bebop_megatron.config.checkpoints import import_given_as_training_checkpoint
+
+        raise EvalError(import_given_as_training_checkpoint(path))
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return path
     raise EvalError(f"checkpoint not found: {path} (expected a save.dir with 'latest' or an iter_N directory)")
