@@ -365,6 +365,14 @@ def test_cli_errors(tmp_path, capsys):
         (["--prompts", prompts, "--endpoint", "localhost:8000"], "expected an http:// or https:// URL"),
         (["--prompts", prompts, "--endpoint", "http://127.0.0.1:9", "--retries", "0"], "cannot list the served models"),
     ]
+    imported = tmp_path / "imported"  # convert_from_hf's output (it suggested installing sentencepiece)
+    (imported / "hf").mkdir(parents=True)
+    for name in ("metadata.json", "bebop_model.yaml", "hf/config.json"):
+        (imported / name).write_text("{}")
+    cases.append((["--prompts", prompts, "--hf-dir", imported],
+                  f"--hf-dir {imported} is a Megatron checkpoint imported by tools/convert_from_hf.py, not a Hugging "
+                  "Face model directory (config.json and *.safetensors): pass the Hugging Face model, e.g. the "
+                  "--hf-dir it was imported from, or serve the model and pass --endpoint"))
     for args, message in cases:
         status, _, stderr = run_tool(capsys, *args, "--out", out)
         assert status == 2, (args, stderr)

@@ -86,6 +86,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def megatron_kind(path: str) -> str | None:
+    """What a Megatron checkpoint directory is (plain file checks), or None."""
+    if os.path.isfile(os.path.join(path, "bebop_model.yaml")):  # convert.importer's record
+        return "a Megatron checkpoint imported by tools/convert_from_hf.py"
+    if os.path.isfile(os.path.join(path, "latest")) or os.path.isfile(os.path.join(path, "metadata.json")):
+        return "a Megatron checkpoint (a training run's save.dir or iter_N)"
+    return None
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Semantic checks, as ``ValueError`` (one ``error:`` line, exit status 2)."""
     if (args.hf_dir is None) == (args.endpoint is None):
@@ -93,6 +102,12 @@ def check_args(args: argparse.Namespace) -> None:
                          + (" (got both)" if args.hf_dir is not None else ""))
     if args.hf_dir is not None and not os.path.isdir(args.hf_dir):
         raise ValueError(f"--hf-dir {args.hf_dir}: not a directory")
+    if args.hf_dir is not None:  # transformers would suggest installing sentencepiece
+        megatron = megatron_kind(args.hf_dir)
+        if megatron:
+            raise ValueError(f"--hf-dir {args.hf_dir} is {megatron}, not a Hugging Face model directory (config.json "
+                             "and *.safetensors): pass the Hugging Face model, e.g. the --hf-dir it was imported from, "
+                             "or serve the model and pass --endpoint")
     if not os.path.isfile(args.prompts):
         raise ValueError(f"--prompts {args.prompts}: file not found")
     if os.path.isdir(args.out):
