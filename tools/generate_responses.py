@@ -23,8 +23,8 @@ settings (the model, --temperature, --top-p, --max-new-tokens, --seed) are recor
 <out>.settings.json: a resume with other ones is refused, naming them. One run writes an
 --out at a time: it holds <out>.lock (as training holds save.dir/run.lock), and a second run
 on the same --out is refused, naming the first; a lock whose run is gone is taken over.
-Identical prompts are generated once; empty responses (and, with --dedupe-responses, repeated ones) are not
-written. A sample that fails (endpoint errors after --retries) prints one `error:` line;
+Identical prompts are generated once; empty responses (and, with --dedupe-responses,
+repeated ones) are not written. A sample that fails (endpoint errors after --retries) prints one `error:` line;
 the others go on, and the exit status is 1 if any failed (rerun to retry them); bad
 arguments or a malformed prompt line stop the run with exit status 2.
 
