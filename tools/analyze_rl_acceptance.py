@@ -289,9 +289,8 @@ def plot(steps, entropy, series, report, path) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    from bebop_megatron.cli import check_output_dir, write_json  # the library loads torch: after --help
-
-    check_output_dir(args.out_dir, "--out-dir")
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):  # before the analysis, not after it
+        raise ValueError(f"--out-dir {args.out_dir} exists and is not a directory")
     steps, entropy, series, notes = load_series(args)
     report = analyze(steps, entropy, series, args)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -301,6 +300,8 @@ def main(argv=None) -> dict:
     report["notes"] = notes
     report["verdict"] = verdict(report, args)
     splits = report.pop("_splits")
+    from bebop_megatron.cli import write_json  # the library loads torch: only once there is a report
+
     write_json(os.path.join(args.out_dir, "rl_acceptance.json"), report)
     for note in notes:
         print(f"note: {note}")
