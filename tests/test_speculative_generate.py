@@ -185,7 +185,8 @@ def test_megatron_model_and_tool(tmp_path):
     out = tmp_path / "spec.json"
     tool = ["--checkpoint", str(save), "--prompts", str(REPO / "examples" / "data" / "tiny_valid.jsonl"),
             "--limit", "3", "--gamma", "2", "--max-new-tokens", "12", "--baseline", "--json", str(out)]
-    too_far = [*tool[:6], "--gamma", "100", "--json", str(tmp_path / "far.json")]
+    too_far = [*tool[:4], "--limit", "1", "--max-new-tokens", "4", "--gamma", "100",
+               "--json", str(tmp_path / "far.json")]
     case, proc, bad, far = run_batch(
         [{"tool": "tests/helpers/speculative_case.py", "argv": [str(save)]},
          {"tool": "speculative_generate", "argv": tool},
