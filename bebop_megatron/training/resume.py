@@ -30,6 +30,7 @@ from bebop_megatron.config import Config
 from bebop_megatron.training import lock
 from bebop_megatron.training.checkpoint import CONFIG_FILE, LATEST, list_checkpoints
 from bebop_megatron.training.fingerprint import backbone_record, data_record, short
+from bebop_megatron.training.same_backbone import backbone_change
 
 METADATA_FILES = ("metadata.json", ".metadata")
 DATA_KEYS = ("train.seq_length", "data.train_files", "data.tokenizer", "data.train_on", "data.pack", "data.overlong",
@@ -288,24 +289,10 @@ def plan_start(cfg: Config) -> Plan:
     return plan
 
 
-def backbone_change(path: str, current: dict) -> str | None:
-    """How the backbone ``current`` (:func:`backbone_record`) differs from the one the training
-    checkpoint ``path`` was trained on: its files changed under the same path; None when they
-    did not (or older checkpoints, which record none). Resume and the evaluation tools
-    (:func:`bebop_megatron.training.model_weights.load_trained_model`) refuse it."""
-    saved = common_state(path).get("backbone")
-    if not saved or not saved.get("fingerprint") or not current.get("fingerprint"):
-        return None
-    if saved.get("path") == current["path"] and saved["fingerprint"] != current["fingerprint"]:
-        return (f"the backbone {current['path']} is not the one the checkpoint was trained on (its files changed: "
-                f"fingerprint {short(current['fingerprint'])}, trained on {short(saved['fingerprint'])})")
-    return None
-
-
 def _check_same_backbone(path: str, current: dict) -> None:
     """Refuse a backbone whose files changed under the same path (a moved or changed path is
     a config change, refused by :func:`compare_configs`)."""
-    change = backbone_change(path, current)
+    change = backbone_change(common_state(path).get("backbone"), current)
     if change:
         raise StartError(f"cannot resume from {path}: {change}; restore that backbone, or start a new run in another "
                          "save.dir")
