@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 from typing import Any, Callable, Optional
@@ -70,3 +72,43 @@ def run_cli(main: Callable[[], None]) -> None:
         _report(err, err.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float (NaN, inf: a statistic with nothing to measure)
+    replaced by None, recursively through dicts, lists and tuples."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
+def write_json(path: str, obj: Any, indent: int = 1) -> None:
+    """Write ``obj`` as valid JSON: non-finite floats become ``null`` (:func:`finite`; bare
+    ``NaN`` is not JSON), anything else that JSON cannot hold raises. Every tool's JSON output."""
+    with open(path, "w") as f:
+        json.dump(finite(obj), f, indent=indent, allow_nan=False)
+
+
+def check_output_file(path: str, flag: str) -> None:
+    """Before any work: ``path`` can be written as a file (its directory exists; it is not a
+    directory itself)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: the directory {parent} does not exist; create it first")
+
+
+def check_output_dir(path: str, flag: str) -> None:
+    """Before any work: ``path`` is a directory or can be created as one (neither it nor a
+    directory above it is an existing file)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "" if probe == os.path.abspath(path) else f": {probe}"
+        raise ValueError(f"{flag} {path}{where} exists and is not a directory")

@@ -192,3 +192,23 @@ def test_a_binary_file_and_a_constant_column_are_named(tmp_path):
     assert str(err.value) == (f"{flat}: --entropy-col 'rollout/entropy' is constant over the fit window (the first "
                               "0.2 of the steps): the entropy slope is undefined; raise --fit-fraction or check the "
                               "column")
+
+
+def test_a_text_column_is_named_text_and_an_out_dir_file_is_refused(tmp_path):
+    """(issue 36) A text column was called "empty or NaN" with a hint to --drop-missing, which then
+    left no row; an --out-dir that is a file was a FileExistsError traceback after the analysis."""
+    rows = series_rows({})
+    for row in rows:
+        row["H"] = "run-7"
+    path = write_jsonl(tmp_path / "text.jsonl", rows)
+    message = (f"{path}: column 'H' holds text, not numbers (10 of 10 rows, first 'run-7' at data row 1); pass a "
+               "numeric column")
+    assert analyze_error(path, "--accept-col", "a1") == message
+    assert analyze_error(path, "--accept-col", "a1", "--drop-missing") == message
+    good = write_jsonl(tmp_path / "good.jsonl", series_rows({}))
+    taken = tmp_path / "taken"
+    taken.write_text("mine\n")
+    with pytest.raises(ValueError, match=rf"^--out-dir {taken} exists and is not a directory$"):
+        load_tool().main(["--input", good, "--step-col", "step", "--entropy-col", "H", "--accept-col", "a1",
+                          "--out-dir", str(taken)])
+    assert taken.read_text() == "mine\n"

@@ -5,7 +5,8 @@
   training run's ``save.dir`` (MTP heads, no backbone weights: it failed with a ``KeyError``);
 - ``model.backbone_checkpoint`` = an import of ``tools/convert_from_hf.py`` with other sizes than
   its ``bebop_model.yaml`` (a 50-line ``CheckpointingException``); with them it loads;
-- ``tools/eval_acceptance.py --checkpoint`` = such an import (it said "is damaged").
+- ``tools/eval_acceptance.py --checkpoint`` = such an import (it said "is damaged"), and
+  ``tools/speculative_generate.py --checkpoint`` alike (it still did: issue 36), one shared line.
 
 The import is real (a tiny Llama, in process); the training checkpoints here are their marker
 files (tests/test_production_resume.py checks a real one).
@@ -84,12 +85,15 @@ def test_a_training_checkpoint_or_save_dir_is_no_backbone(tmp_path):
         f"backbone's weights{advice}")
 
 
-def test_eval_acceptance_says_an_import_is_no_training_checkpoint(imported, tmp_path):
-    spec = importlib.util.spec_from_file_location("eval_acceptance", REPO / "tools" / "eval_acceptance.py")
+@pytest.mark.parametrize("name, argv", [("eval_acceptance", ["--data", "synthetic"]),
+                                        ("speculative_generate", ["--prompts", "p.jsonl"])])
+def test_the_evaluation_tools_say_an_import_is_no_training_checkpoint(imported, tmp_path, name, argv):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     with pytest.raises(ValueError) as err:
-        tool.main(["--checkpoint", str(imported), "--data", "synthetic", "--out-dir", str(tmp_path / "r")])
+        tool.main(["--checkpoint", str(imported), *argv, *(["--out-dir", str(tmp_path / "r")] if name ==
+                                                           "eval_acceptance" else [])])
     assert str(err.value) == (
         f"--checkpoint {imported} is a model imported by tools/convert_from_hf.py, not a training checkpoint: train "
         f"MTP heads on it (model.backbone_checkpoint={imported}, or model.init_checkpoint to start from its MTP "

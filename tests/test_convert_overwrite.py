@@ -6,11 +6,20 @@
   checkpoint is refused even with ``--overwrite`` (the save deletes the directory first).
 - ``tools/convert_to_hf.py`` into a non-empty directory (a user's ``config.json``): refused, the
   file kept; with ``--overwrite`` the export is written.
+- ``tools/convert_to_hf.py --out`` that is, contains or lies inside an input directory (the
+  import's own ``hf/``, the checkpoint's parent), even with ``--overwrite``: refused before
+  anything is written (issue 36, item 4).
+- ``tools/convert_to_hf.py --hf-dir`` of another model (another vocabulary and head layout): one
+  line naming the fields, nothing written (it used to cut the embedding to that vocabulary and
+  print "verified"; issue 36, item 3).
 
 All calls run in one process (tests/helpers/cli_batch.py), each as the tool's command line.
 """
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 
@@ -32,6 +41,11 @@ def results(tmp_path_factory):
     (root / "notes" / "notes.txt").write_text("keep me\n")
     (root / "export").mkdir()
     (root / "export" / "config.json").write_text(USER_CONFIG)
+    other = root / "other_hf"  # another model: the same family, other vocabulary and KV heads
+    shutil.copytree(hf_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config.update(vocab_size=80, num_key_value_heads=4)
+    (other / "config.json").write_text(json.dumps(config))
     imp = ["--no-progress", "--hf-dir", str(hf_dir), "--max-tensor-parallel", "2", "--out"]
     exp = ["--no-progress", "--checkpoint", str(ckpt), "--format", "mimo", "--target", "vllm", "--no-verify",
            "--out", str(root / "export")]
@@ -43,6 +57,9 @@ def results(tmp_path_factory):
         "import_overwrite": ("convert_from_hf", [*imp, str(ckpt), "--overwrite"]),
         "export_nonempty": ("convert_to_hf", exp),
         "export_overwrite": ("convert_to_hf", [*exp, "--overwrite"]),
+        "export_into_hf": ("convert_to_hf", [*exp[:-1], str(ckpt / "hf"), "--overwrite"]),
+        "export_over_inputs": ("convert_to_hf", [*exp[:-1], str(root), "--overwrite"]),
+        "export_other_hf": ("convert_to_hf", [*exp[:-1], str(root / "other_out"), "--hf-dir", str(other)]),
     }
     procs = run_batch([{"tool": tool, "argv": argv} for tool, argv in calls.values()], root / "batch")
     return root, dict(zip(calls, procs))
@@ -81,3 +98,27 @@ def test_export_refuses_a_nonempty_out(results):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (root / "export" / "config.json").read_text() != USER_CONFIG
     assert list((root / "export").glob("*.safetensors"))
+
+
+def test_export_refuses_an_out_among_its_inputs(results):
+    root, procs = results
+    ckpt = root / "megatron"
+    config = (ckpt / "hf" / "config.json").read_text()
+    files = sorted(p.name for p in (ckpt / "hf").iterdir())
+    assert error_line(procs["export_into_hf"]) == (
+        f"error: --out {ckpt / 'hf'} lies inside the input --checkpoint {ckpt}; write the export to a directory "
+        "apart from its inputs")
+    assert error_line(procs["export_over_inputs"]) == (
+        f"error: --out {root} contains the input --checkpoint {ckpt}; write the export to a directory apart from "
+        "its inputs")
+    assert (ckpt / "hf" / "config.json").read_text() == config  # nothing written there
+    assert sorted(p.name for p in (ckpt / "hf").iterdir()) == files
+
+
+def test_export_refuses_the_config_of_another_model(results):
+    root, procs = results
+    line = error_line(procs["export_other_hf"])
+    assert line.startswith(f"error: --hf-dir {root / 'other_hf'}/config.json does not describe the checkpoint's "
+                           "model: vocab_size 80 (checkpoint: 96); num_query_groups 4 (checkpoint: 2); "), line
+    assert str(root / "megatron" / "bebop_model.yaml") in line
+    assert not (root / "other_out").exists()

@@ -220,3 +220,18 @@ def test_preprocess_unwritable_prefix_names_it_before_tokenizing(tmp_path):
                               f"{tmp_path / 'a_file'} is a file")
     with pytest.raises(DataError, match=r"^--output-prefix /proc/bebop/train: cannot write in /proc \("):
         preprocess([str(path)], "/proc/bebop/train", progress=False)
+
+
+def test_preprocess_refuses_an_input_it_would_replace(tmp_path):
+    """(issue 36 item 12) ``--input P.bin --output-prefix P --overwrite`` replaced its own input."""
+    from bebop_megatron.data.preprocess import preprocess
+
+    prefix = tmp_path / "train"
+    for name in ("train.bin", "train_meta.json"):
+        inputs = [str(write_jsonl(tmp_path / "in.jsonl", GOOD)), str(write_jsonl(tmp_path / name, GOOD))]
+        before = (tmp_path / name).read_bytes()
+        with pytest.raises(DataError) as err:
+            preprocess(inputs, str(prefix), progress=False, overwrite=True)
+        assert str(err.value) == (f"--input {inputs[1]} is one of the files --output-prefix {prefix} writes "
+                                  f"({tmp_path / name}); choose another prefix")
+        assert (tmp_path / name).read_bytes() == before

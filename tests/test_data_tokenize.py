@@ -152,3 +152,25 @@ def test_tokens_per_second_is_logged(tmp_path):
                progress=False, log=lines.append)
     assert len(lines) == 1 and "3 documents, 15 tokens" in lines[0] and "tokens/s" in lines[0]
     assert np.isfinite(float(lines[0].split("(")[-1].split()[0].replace(",", "")))
+
+
+def test_an_export_with_custom_code_in_its_config_loads_without_asking(tmp_path, hf_dir, monkeypatch):
+    """(issue 36 item 13) A MiMo export's config.json names custom code (``auto_map``, model_type
+    ``mimo``): loading its tokenizer made transformers ask "Do you wish to run the custom code?
+    [y/N]" (speculative_generate on a full export). The tokenizer files need no code."""
+    import builtins
+    import json
+    import shutil
+
+    export = tmp_path / "export"
+    shutil.copytree(hf_dir, export)
+    (export / "config.json").write_text(json.dumps({
+        "architectures": ["MiMoForCausalLM"], "model_type": "mimo",
+        "auto_map": {"AutoConfig": "configuration_mimo.MiMoConfig"}, "vocab_size": 96}))
+    asked = []
+    monkeypatch.setattr(builtins, "input", lambda prompt="": asked.append(prompt) or "n")
+    tok = HFTokenizer(str(export))
+    assert not asked
+    text = "hello there"
+    assert tok.encode(text) == HFTokenizer(str(hf_dir)).encode(text) == _auto(hf_dir).encode(text,
+                                                                                            add_special_tokens=False)

@@ -116,7 +116,13 @@ def runs(checkpoint, tmp_path_factory):
         "sample_prompts": ["--checkpoint", checkpoint, "--data", VALID, "--sample", "--sample-prompts", PROMPTS12(d),
                            "--max-new-tokens", "24", "--temperatures", "1.0", "--gamma", "2", "--no-speedup",
                            "--no-progress", "--sim-positions", "0", "--out-dir", d / "r_sample_prompts"],
+        # a re-run into the same --out-dir, without the speed-up plot the first run wrote
+        **{name: ["--checkpoint", checkpoint, "--data", VALID, "--max-rows", "4", "--sim-positions", "0",
+                  "--no-progress", *extra, "--out-dir", d / "rerun"]
+           for name, extra in (("first", ["--cost-ratio", "0.1"]), ("again", ["--no-speedup"]))},
     }
+    (d / "rerun").mkdir()
+    (d / "rerun" / "notes.txt").write_text("mine\n")
     results = run_batch([{"tool": "eval_acceptance", "argv": [str(a) for a in argv]} for argv in calls.values()]
                         + [{"tool": "speculative_generate", "argv": [str(a) for a in SPEC_ARGV(checkpoint, d)]}],
                         d / "batch")
@@ -307,3 +313,16 @@ def test_data_without_a_valid_position_is_refused(runs):
     line = error_line(results["mixed"])
     assert "the 1 rows evaluated (--max-rows) hold no position" in line, line
     assert not (d / "r_mixed" / "report.json").exists()
+
+
+def test_a_rerun_replaces_the_earlier_reports_files(runs):
+    """(issue 36 item 10) A re-run into an --out-dir left the earlier run's plots beside the new
+    report.json; now the report's own files are replaced, the user's kept."""
+    results, d = runs
+    for name in ("first", "again"):
+        assert results[name].returncode == 0, results[name].stderr[-3000:]
+    report = json.loads((d / "rerun" / "report.json").read_text())
+    assert report["speedup"] is None and set(report["plots"]) == PLOTS - {"speedup_vs_gamma"}
+    assert sorted(p.name for p in (d / "rerun").iterdir()) == sorted(
+        ["notes.txt", "report.json", *(f"{name}.png" for name in report["plots"])])
+    assert (d / "rerun" / "notes.txt").read_text() == "mine\n"

@@ -10,7 +10,10 @@ backbone's path and fingerprint (bebop_megatron/training/fingerprint.py). Checke
   the other model; a checkpoint written before the record existed gets a warning;
 - the fingerprint: equal for a copy and for a second import of the same model, different for
   the other model;
-- a resume whose backbone files changed under the same path is refused before anything is built.
+- a resume whose backbone files changed under the same path is refused before anything is built;
+  so are ``tools/eval_acceptance.py`` and ``tools/speculative_generate.py`` on that checkpoint (they
+  used to measure the heads against the other model: issue 36, item 5), which run with the
+  unchanged backbone.
 """
 
 from __future__ import annotations
@@ -51,13 +54,28 @@ def setup(tmp_path_factory):
                                                   "mimo", "--target", "vllm", "--mtp-only", "--out",
                                                   str(root / "out" / name), "--backbone", *argv]}
                for name, argv in calls.items()]
+    exports += [{"tool": tool, "argv": argv} for tool, argv in _evaluations(root).values()]
     done = run_batch([*imports, train, copy, *exports], root / "batch")
     prepared, results = done[:-len(exports)], done[-len(exports):]
+    calls = {**calls, **{f"{name}_unchanged": None for name in _evaluations(root)}}
     for proc in prepared:
         assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = root / "run" / "iter_0000001"
     assert ckpt.is_dir()
     return root, ckpt, dict(zip(calls, results))
+
+
+def _evaluations(root) -> dict:
+    """The evaluation tools on the training checkpoint (a few tokens, no timing)."""
+    prompts = root / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    return {
+        "eval": ("eval_acceptance", ["--checkpoint", str(root / "run"), "--data", "synthetic", "--no-progress",
+                                     "--synthetic-samples", "2", "--sim-positions", "0", "--no-speedup",
+                                     "--out-dir", str(root / "report")]),
+        "generate": ("speculative_generate", ["--checkpoint", str(root / "run"), "--prompts", str(prompts),
+                                              "--gamma", "1", "--max-new-tokens", "2"]),
+    }
 
 
 def _error(proc) -> str:
@@ -145,3 +163,26 @@ def test_resume_refuses_a_backbone_whose_files_changed(setup, tmp_path):
     finally:
         shutil.rmtree(backbone)
         shutil.move(str(tmp_path / "a_saved"), str(backbone))
+
+
+def test_evaluation_tools_refuse_a_backbone_whose_files_changed(setup, tmp_path):
+    from bebop_megatron.training.fingerprint import fingerprint, short
+
+    root, ckpt, results = setup
+    for name in ("eval", "generate"):  # the backbone they were trained on
+        assert results[f"{name}_unchanged"].returncode == 0, results[f"{name}_unchanged"].stderr[-3000:]
+    backbone = root / "a" / "megatron"
+    trained_on, other = fingerprint(str(backbone)), fingerprint(str(root / "b" / "megatron"))
+    shutil.move(str(backbone), str(tmp_path / "a_saved"))
+    shutil.copytree(root / "b" / "megatron", backbone)  # re-imported with other weights at the same path
+    try:
+        procs = run_batch([{"tool": tool, "argv": argv} for tool, argv in _evaluations(root).values()],
+                          tmp_path / "batch")
+    finally:
+        shutil.rmtree(backbone)
+        shutil.move(str(tmp_path / "a_saved"), str(backbone))
+    expected = (f"error: cannot load {ckpt}: the backbone {backbone} is not the one the checkpoint was trained on "
+                f"(its files changed: fingerprint {short(other)}, trained on {short(trained_on)}); restore that "
+                "backbone (the heads were trained on it)")
+    for proc in procs:
+        assert _error(proc) == expected

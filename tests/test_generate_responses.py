@@ -218,6 +218,31 @@ def test_endpoint_resume(tmp_path, capsys, server):
     assert read_out(partial) == read_out(full)  # same seeds: the same answers
 
 
+def test_one_run_per_out(tmp_path, capsys, server):
+    """(issue 36 item 9) Two runs on one --out both appended (70 lines for 36 samples): a live run
+    holding <out>.lock refuses a second one in one line; a lock whose run is gone is taken over,
+    and the lock is released at the end."""
+    from bebop_megatron.training.lock import _process_start_time, this_run
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": f"question {i}"} for i in range(3)])
+    out, lock = tmp_path / "out.jsonl", tmp_path / "out.jsonl.lock"
+    args = ["--prompts", prompts, "--endpoint", server.url, "--out", out, *FAST]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(json.dumps({**this_run(), "pid": other.pid, "process_start": _process_start_time(other.pid)}))
+        status, _, stderr = run_tool(capsys, *args)
+    finally:
+        other.kill()
+        other.wait()
+    assert status == 2 and not out.exists() and not server.requests
+    [line] = error_lines(stderr)
+    assert line.startswith(f"error: --out {out} is in use by another run (pid {other.pid} on ") and line.endswith(
+        f"; lock {lock}): wait for it to end or use another --out; if that run is gone, delete the lock file"), line
+    status, _, stderr = run_tool(capsys, *args)  # its run is gone now: taken over
+    assert status == 0 and f"--out {out}: taking over the lock of a run that is gone (pid {other.pid}" in stderr
+    assert len(read_out(out)) == 3 and not lock.exists()
+
+
 def test_resume_with_other_sampling_settings_is_refused(tmp_path, capsys, server):
     """The samples on file were counted as done whatever settings made them: they are recorded
     in <out>.settings.json and a resume with others is refused, naming them."""
@@ -340,6 +365,14 @@ def test_cli_errors(tmp_path, capsys):
         (["--prompts", prompts, "--endpoint", "localhost:8000"], "expected an http:// or https:// URL"),
         (["--prompts", prompts, "--endpoint", "http://127.0.0.1:9", "--retries", "0"], "cannot list the served models"),
     ]
+    imported = tmp_path / "imported"  # convert_from_hf's output (it suggested installing sentencepiece)
+    (imported / "hf").mkdir(parents=True)
+    for name in ("metadata.json", "bebop_model.yaml", "hf/config.json"):
+        (imported / name).write_text("{}")
+    cases.append((["--prompts", prompts, "--hf-dir", imported],
+                  f"--hf-dir {imported} is a Megatron checkpoint imported by tools/convert_from_hf.py, not a Hugging "
+                  "Face model directory (config.json and *.safetensors): pass the Hugging Face model, e.g. the "
+                  "--hf-dir it was imported from, or serve the model and pass --endpoint"))
     for args, message in cases:
         status, _, stderr = run_tool(capsys, *args, "--out", out)
         assert status == 2, (args, stderr)

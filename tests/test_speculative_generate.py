@@ -199,10 +199,14 @@ def test_megatron_model_and_tool(tmp_path):
     out = tmp_path / "spec.json"
     tool = ["--checkpoint", str(save), "--prompts", str(REPO / "examples" / "data" / "tiny_valid.jsonl"),
             "--limit", "3", "--gamma", "2", "--max-new-tokens", "12", "--baseline", "--json", str(out)]
-    case, proc, bad = run_batch([{"tool": "tests/helpers/speculative_case.py", "argv": [str(save)]},
-                                 {"tool": "speculative_generate", "argv": tool},
-                                 {"tool": "speculative_generate", "argv": [tool[0], str(tmp_path / "missing")] + tool[2:]}],
-                                tmp_path / "batch")
+    too_far = [*tool[:4], "--limit", "1", "--max-new-tokens", "4", "--gamma", "100",
+               "--json", str(tmp_path / "far.json")]
+    case, proc, bad, far = run_batch(
+        [{"tool": "tests/helpers/speculative_case.py", "argv": [str(save)]},
+         {"tool": "speculative_generate", "argv": tool},
+         {"tool": "speculative_generate", "argv": [tool[0], str(tmp_path / "missing")] + tool[2:]},
+         {"tool": "speculative_generate", "argv": too_far}],
+        tmp_path / "batch")
     assert case.returncode == 0, case.stderr[-3000:]
     result = json.loads(case.stdout.strip().splitlines()[-1])
     assert result["backbone_max_diff"] < 1e-4 and result["draft_max_diff"] < 1e-4
@@ -231,6 +235,16 @@ def test_megatron_model_and_tool(tmp_path):
     assert 1.0 <= report["tokens_per_target_forward"] <= 3.0
 
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "checkpoint not found" in bad.stderr
+    # --gamma far above the trained steps, the one MTP layer reused: the draft positions no
+    # verification reached have no rate, written as null, not as a bare NaN (issue 36 item 11)
+    assert far.returncode == 0, far.stderr[-3000:]
+
+    def no_constants(name):
+        raise AssertionError(f"bare {name} in the JSON")
+
+    far_report = json.loads((tmp_path / "far.json").read_text(), parse_constant=no_constants)
+    rates = [p["rate"] for p in far_report["per_position"]]
+    assert len(rates) == 100 and rates[-1] is None and rates[0] is not None
 
 
 @pytest.mark.parametrize("mode", ["rs", "to"])

@@ -120,8 +120,22 @@ def resolve_column(name: str, columns: list[str], path: str, flag: str) -> str:
     raise ValueError(f"{path}: {flag} {name!r} is not a column; columns: {plain}")
 
 
+MISSING = ("", "nan", "NaN", "null", "None")
+
+
+def is_text(value) -> bool:
+    """A value that is neither a number nor missing (e.g. a run name)."""
+    if value is None or isinstance(value, (int, float)) or (isinstance(value, str) and value.strip() in MISSING):
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return True
+    return False
+
+
 def to_float(value) -> float:
-    if value is None or (isinstance(value, str) and value.strip() in ("", "nan", "NaN", "null", "None")):
+    if value is None or (isinstance(value, str) and value.strip() in MISSING):
         return math.nan
     try:
         return float(value)
@@ -138,6 +152,11 @@ def load_series(args) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], li
     accept_cols = {n: resolve_column(n, columns, args.input, "--accept-col" if args.accept_col else "--alpha-cols")
                    for n in names}
     used = {"step": step_col, "entropy": entropy_col, **accept_cols}
+    for col in used.values():  # not missing values: --drop-missing would drop every row
+        text = [i for i, r in enumerate(rows) if is_text(r.get(col))]
+        if text:
+            raise ValueError(f"{args.input}: column {col!r} holds text, not numbers ({len(text)} of {len(rows)} rows, "
+                             f"first {rows[text[0]][col]!r} at data row {text[0] + 1}); pass a numeric column")
     table = {key: np.array([to_float(r.get(col)) for r in rows]) for key, col in used.items()}
     check_ranges(table, used, args)
     bad = ~np.isfinite(np.stack(list(table.values()))).all(0)
@@ -270,6 +289,8 @@ def plot(steps, entropy, series, report, path) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):  # before the analysis, not after it
+        raise ValueError(f"--out-dir {args.out_dir} exists and is not a directory")
     steps, entropy, series, notes = load_series(args)
     report = analyze(steps, entropy, series, args)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -279,8 +300,9 @@ def main(argv=None) -> dict:
     report["notes"] = notes
     report["verdict"] = verdict(report, args)
     splits = report.pop("_splits")
-    with open(os.path.join(args.out_dir, "rl_acceptance.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    from bebop_megatron.cli import write_json  # the library loads torch: only once there is a report
+
+    write_json(os.path.join(args.out_dir, "rl_acceptance.json"), report)
     for note in notes:
         print(f"note: {note}")
     print(report["verdict"])

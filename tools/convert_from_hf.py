@@ -26,18 +26,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output Megatron distributed checkpoint directory")
     p.add_argument("--mtp-num-steps", type=int, default=None,
                    help="MTP steps K of the training config: train as many as the heads will draft when served "
-                        "(default: the checkpoint's MTP layers when it has several, otherwise 3, one layer reused)")
+                        "(default: the checkpoint's MTP layers when it has several, otherwise 3, one layer reused; "
+                        ">= 1)")
     p.add_argument("--mtp-init", choices=("random", "copy_last_layer"), default="random",
                    help="MTP layers of a model without them: Megatron's random init, or the last "
                         "backbone layer (and final norm) copied into the MTP decoder layer")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times the TP size (default 128; >= 1)")
     p.add_argument("--max-tensor-parallel", type=int, default=8,
-                   help="pad the vocabulary so every TP dividing this loads the checkpoint (default 8)")
+                   help="pad the vocabulary so every TP dividing this loads the checkpoint (default 8; >= 1)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a Megatron checkpoint already at --out (a training run's iter_N or an earlier "
                         "import; refused without it); any other non-empty --out is always refused")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("mtp_num_steps", "make_vocab_size_divisible_by", "max_tensor_parallel"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    return args
 
 
 def main(argv=None) -> None:

@@ -28,7 +28,9 @@ Megatron model's, chained as the heads were trained (``mtp.next_step_input``): a
 fails from step 2 on. Both engines hand on the MTP output after its final norm (vLLM's
 DeepSeek-V3 / GLM-4.5 drafts since PR #45895, merged 2026-06-19); ``--vllm-handoff pre_norm``
 targets those drafts in vLLM releases before it. A non-empty ``--out`` (a user's files, an earlier
-export) is refused unless ``--overwrite``. The logic lives in
+export) is refused unless ``--overwrite``; an ``--out`` that is, contains or lies inside an input
+directory always, and so is an ``--hf-dir`` config.json that does not describe the checkpoint's model
+(vocabulary, sizes, heads, family). The logic lives in
 :mod:`bebop_megatron.convert.exporter`.
 """
 
@@ -45,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allow-moved-backbone", action="store_true",
                    help="the training run's backbone was moved or copied to --backbone: check its fingerprint only, "
                         "not its path")
-    p.add_argument("--hf-dir", default=None, help="source HF config.json + tokenizer (default: BACKBONE/hf)")
+    p.add_argument("--hf-dir", default=None, help="source HF config.json + tokenizer (default: BACKBONE/hf); its "
+                   "vocabulary, sizes, heads and family must be the checkpoint's (refused otherwise)")
     p.add_argument("--format", required=True,
                    help="mimo | glm4_moe | deepseek (DeepSeek-V3) | qwen3_next | qwen3_5 (dense and MoE)")
     p.add_argument("--target", required=True, help="vllm | sglang (current releases: both hand draft step k+1 the "
@@ -57,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="draft steps to verify and to put in the printed serve command (default: the trained "
                         "mtp.num_steps); a single MTP layer is reused for every step, several need K = their number")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, help="output directory, apart from the inputs (one that is, contains or "
+                   "lies inside --checkpoint, --backbone or --hf-dir is refused)")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out (refused without it): files of the same names are replaced "
                         "and earlier *.safetensors removed; a Megatron checkpoint there is always refused")
@@ -65,9 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="check names, shapes and K steps of draft logits after writing (default: on)")
     p.add_argument("--tolerance", type=float, default=1e-4,
-                   help="max |logits difference| relative to max(1, |logits|) (default 1e-4; float32)")
+                   help="max |logits difference| relative to max(1, |logits|), > 0 (default 1e-4; float32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.tolerance > 0 or args.tolerance == float("inf"):  # NaN fails too; checked before the export
+        p.error(f"--tolerance must be a positive number, got {args.tolerance}")
+    return args
 
 
 def main(argv=None) -> None:

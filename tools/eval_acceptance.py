@@ -46,6 +46,7 @@ import sys
 import warnings
 
 DEFAULT_TEMPERATURES = (1.0,)
+TEMPERATURES = (1e-3, 1e3)  # = bebop_megatron.config.loader.TEMPERATURE_RANGE (a test checks; importing it loads torch)
 SYNTHETIC = "synthetic"  # --data synthetic: held-out samples of the run's synthetic language
 
 
@@ -59,10 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="held-out data: JSONL files (or indexed datasets), as data.valid_files; or 'synthetic' "
                              "for a run trained on the synthetic language")
     parser.add_argument("--temperatures", nargs="+", type=float, default=list(DEFAULT_TEMPERATURES),
-                        help="sampling temperatures; both logits are divided by T (default: 1.0)")
+                        help="sampling temperatures, 0.001 to 1000 as in training; both logits are divided by T "
+                             "(default: 1.0)")
     parser.add_argument("--gamma", type=int, default=None,
                         help="drafted tokens per chain, <= the checkpoint's mtp.num_steps (default: mtp.num_steps)")
-    parser.add_argument("--out-dir", default="acceptance_report", help="writes report.json and the PNGs here")
+    parser.add_argument("--out-dir", default="acceptance_report",
+                        help="writes report.json and the PNGs here (an earlier report's files there are replaced, "
+                             "its plots that this run does not write removed; other files are kept)")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="TP size to load the model at (default 1)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward (default 4)")
@@ -120,15 +124,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("cost_repeats", "synthetic_samples"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if any(not t > 0 for t in args.temperatures):
-        parser.error(f"--temperatures must all be > 0, got {args.temperatures}")
+    if any(not TEMPERATURES[0] <= t <= TEMPERATURES[1] for t in args.temperatures):  # NaN fails too
+        parser.error(f"--temperatures must all be in [{TEMPERATURES[0]:g}, {TEMPERATURES[1]:g}], "
+                     f"got {args.temperatures}")
     for name in ("tensor_parallel", "micro_batch_size", "chunk_positions", "sim_trials"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("sim_positions", "scatter_points"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not args.entropy_bin_width > 0:
         parser.error("--entropy-bin-width must be > 0")
-    if args.data_temperature is not None and not 0 < args.data_temperature < float("inf"):
-        parser.error(f"--data-temperature must be a finite number > 0, got {args.data_temperature}")
+    if args.data_temperature is not None and not TEMPERATURES[0] <= args.data_temperature <= TEMPERATURES[1]:
+        parser.error(f"--data-temperature must be in [{TEMPERATURES[0]:g}, {TEMPERATURES[1]:g}], "
+                     f"got {args.data_temperature}")
     for name in ("max_new_tokens", "sample_prompts"):
         if getattr(args, name) is not None and not args.sample:
             parser.error(f"--{name.replace('_', '-')} goes with --sample")
@@ -162,10 +171,9 @@ def resolve_checkpoint(path: str) -> str:
             raise EvalError(f"checkpoint not found: {marker} names {found}, which is not a complete checkpoint")
         return found
     if os.path.isfile(os.path.join(path, "bebop_model.yaml")):  # convert.importer's record of the sizes
-        raise EvalError(f"--checkpoint {path} is a model imported by tools/convert_from_hf.py, not a training "
-                         f"checkpoint: train MTP heads on it (model.backbone_checkpoint={path}, or "
-                         "model.init_checkpoint to start from its MTP layers, with the settings of its "
-                         "bebop_model.yaml) and pass that run's save.dir")
+        from bebop_megatron.config.checkpoints import import_given_as_training_checkpoint
+
+        raise EvalError(import_given_as_training_checkpoint(path))
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return path
     raise EvalError(f"checkpoint not found: {path} (expected a save.dir with 'latest' or an iter_N directory)")
@@ -405,6 +413,7 @@ def evaluate(args) -> dict | None:
     from megatron.core import parallel_state
     from tqdm import tqdm
 
+    from bebop_megatron.cli import write_json
     from bebop_megatron.data import DataError, check_trainable, eval_batches
     from bebop_megatron.metrics.plots import write_all
     from bebop_megatron.metrics.speedup import speedup_table
@@ -480,6 +489,7 @@ def evaluate(args) -> dict | None:
                                         f"{exact_source}; not at T={tau:g}")
     speedup = None if costs is None else speedup_table(per_t, costs, num_positions=K)
     ref = min(args.temperatures, key=lambda t: abs(t - 1.0))
+    clear_report(args.out_dir)
     plots = write_all(per_t, report.scatter[args.temperatures.index(ref)], f"{ref:g}", args.out_dir, speedup=speedup)
     result = {
         "checkpoint": ckpt_path,
@@ -496,9 +506,28 @@ def evaluate(args) -> dict | None:
         "speedup": speedup,
         "plots": plots,
     }
-    with open(os.path.join(args.out_dir, "report.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(os.path.join(args.out_dir, "report.json"), result)
     return result
+
+
+def clear_report(out_dir: str) -> None:
+    """Remove an earlier report's own files from ``out_dir`` (``report.json``, the plots it
+    lists and every plot this tool writes), so that a re-run leaves none of its plots beside
+    the new ``report.json``; other files are kept."""
+    from bebop_megatron.metrics.plots import PLOTS
+
+    report = os.path.join(out_dir, "report.json")
+    names = {os.path.join(out_dir, f"{name}.png") for name in (*PLOTS, "speedup_vs_gamma")}
+    try:
+        with open(report) as f:
+            listed = json.load(f).get("plots") or {}
+        names.update(p for p in listed.values() if isinstance(p, str)
+                     and os.path.realpath(os.path.dirname(p)) == os.path.realpath(out_dir))
+    except (OSError, ValueError, AttributeError):
+        pass  # no earlier report (or not one of ours): only the known names
+    for path in (report, *names):
+        if os.path.isfile(path):
+            os.remove(path)
 
 
 def print_summary(result: dict) -> None:
@@ -510,7 +539,13 @@ def print_summary(result: dict) -> None:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     resolve_checkpoint(args.checkpoint)  # a wrong path fails in a second, before the library import
+    from bebop_megatron.cli import check_output_dir
     from bebop_megatron.config.sources import parse_sources
+
+    try:
+        check_output_dir(args.out_dir, "--out-dir")
+    except ValueError as err:  # every rank finds it alike
+        raise EvalError(str(err)) from None
 
     if not is_synthetic(args):
         parse_sources(args.data, "--data")  # named as given here, not as the config field it becomes

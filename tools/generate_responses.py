@@ -20,9 +20,11 @@ Run the same command again to resume: samples already in --out are skipped (a tr
 last line from an interrupted write is cut away), and every sample is appended and flushed
 as soon as it is done, so Ctrl-C (exit status 130) loses nothing finished. The sampling
 settings (the model, --temperature, --top-p, --max-new-tokens, --seed) are recorded in
-<out>.settings.json: a resume with other ones is refused, naming them. Identical prompts
-are generated once; empty responses (and, with --dedupe-responses, repeated ones) are not
-written. A sample that fails (endpoint errors after --retries) prints one `error:` line;
+<out>.settings.json: a resume with other ones is refused, naming them. One run writes an
+--out at a time: it holds <out>.lock (as training holds save.dir/run.lock), and a second run
+on the same --out is refused, naming the first; a lock whose run is gone is taken over.
+Identical prompts are generated once; empty responses (and, with --dedupe-responses,
+repeated ones) are not written. A sample that fails (endpoint errors after --retries) prints one `error:` line;
 the others go on, and the exit status is 1 if any failed (rerun to retry them); bad
 arguments or a malformed prompt line stop the run with exit status 2.
 
@@ -45,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.split("\n")[1:]))
     parser.add_argument("--prompts", required=True, metavar="FILE", help="prompts JSONL")
-    parser.add_argument("--out", required=True, metavar="FILE", help="output JSONL (appended to; resumed if present)")
+    parser.add_argument("--out", required=True, metavar="FILE",
+                        help="output JSONL (appended to; resumed if present); one run at a time (<out>.lock)")
     backend = parser.add_argument_group("backend (exactly one)")
     backend.add_argument("--hf-dir", metavar="DIR", help="local Hugging Face model directory (transformers)")
     backend.add_argument("--endpoint", metavar="URL",
@@ -83,6 +86,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def megatron_kind(path: str) -> str | None:
+    """What a Megatron checkpoint directory is (plain file checks), or None."""
+    if os.path.isfile(os.path.join(path, "bebop_model.yaml")):  # convert.importer's record
+        return "a Megatron checkpoint imported by tools/convert_from_hf.py"
+    if os.path.isfile(os.path.join(path, "latest")) or os.path.isfile(os.path.join(path, "metadata.json")):
+        return "a Megatron checkpoint (a training run's save.dir or iter_N)"
+    return None
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Semantic checks, as ``ValueError`` (one ``error:`` line, exit status 2)."""
     if (args.hf_dir is None) == (args.endpoint is None):
@@ -90,6 +102,12 @@ def check_args(args: argparse.Namespace) -> None:
                          + (" (got both)" if args.hf_dir is not None else ""))
     if args.hf_dir is not None and not os.path.isdir(args.hf_dir):
         raise ValueError(f"--hf-dir {args.hf_dir}: not a directory")
+    if args.hf_dir is not None:  # transformers would suggest installing sentencepiece
+        megatron = megatron_kind(args.hf_dir)
+        if megatron:
+            raise ValueError(f"--hf-dir {args.hf_dir} is {megatron}, not a Hugging Face model directory (config.json "
+                             "and *.safetensors): pass the Hugging Face model, e.g. the --hf-dir it was imported from, "
+                             "or serve the model and pass --endpoint")
     if not os.path.isfile(args.prompts):
         raise ValueError(f"--prompts {args.prompts}: file not found")
     if os.path.isdir(args.out):
@@ -111,6 +129,21 @@ def main(argv=None) -> int:
     """Exit status: 0, or 1 when some samples failed; raises ``ValueError`` on user errors."""
     args = parse_args(argv)
     check_args(args)
+    from bebop_megatron.training import lock
+
+    # Two runs appending to one --out would each generate (and write) the samples the other has not
+    # written yet: one run per --out, as one training run per save.dir.
+    lock_path = f"{args.out}.lock"
+    notice = lock.acquire_file(lock_path, f"--out {args.out}", "--out", "file")
+    if notice:
+        print(notice, file=sys.stderr)
+    try:
+        return _generate(args)
+    finally:
+        lock.release(lock_path, lock.this_run())
+
+
+def _generate(args: argparse.Namespace) -> int:
     from bebop_megatron.data.generate import (check_settings, load_existing, plan_jobs, read_prompts, run_generation,
                                               write_settings)
 

@@ -31,7 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--on-error", choices=("fail", "skip"), default="fail",
                         help="bad lines: stop with PATH:LINE (fail, default) or skip and report counts")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace a dataset already at --output-prefix (default: refuse)")
+                        help="replace a dataset already at --output-prefix (default: refuse); an --input among "
+                             "its files is refused even with it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
 

@@ -37,8 +37,9 @@ docs/acceptance.md ("Three numbers") says when each applies.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+TEMPERATURES = (1e-3, 1e3)  # = bebop_megatron.config.loader.TEMPERATURE_RANGE (a test checks; importing it loads torch)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,7 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gamma", type=int, default=3,
                         help="drafted tokens per verification (default 3); above mtp.num_steps only when one MTP "
                              "layer is repeated (mtp_use_repeated_layer), which is then reused as vLLM does")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature > 0 (default 1.0)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature, 0.001 to 1000 as in training (default 1.0)")
     parser.add_argument("--mode", choices=("rs", "to"), default="rs",
                         help="rs: rejection sampling with sampled drafts; to: greedy drafts, target-only")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default 128)")
@@ -65,10 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
     parser.add_argument("--baseline", action="store_true",
                         help="also decode plainly (one target forward per token) and report the speed-up")
-    parser.add_argument("--json", default=None, metavar="FILE", help="write the statistics here")
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="write the statistics here (its directory must exist; a rate with nothing to measure, "
+                             "e.g. a draft position never reached, is null)")
     args = parser.parse_args(argv)
-    if not args.temperature > 0:
-        parser.error(f"--temperature must be > 0, got {args.temperature}")
+    if not TEMPERATURES[0] <= args.temperature <= TEMPERATURES[1]:  # NaN fails too
+        parser.error(f"--temperature must be in [{TEMPERATURES[0]:g}, {TEMPERATURES[1]:g}], got {args.temperature}")
     for name in ("gamma", "max_new_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -86,10 +90,13 @@ def decode(tokenizer, ids) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from bebop_megatron.cli import check_output_file, write_json
     from bebop_megatron.data.generate import read_prompts
     from bebop_megatron.speculative.session import resolve_checkpoint
 
     resolve_checkpoint(args.checkpoint)  # fail fast, before the model import
+    if args.json:
+        check_output_file(args.json, "--json")  # not after all the decoding
     prompt_set = read_prompts(args.prompts, args.limit, drop_response=True)
 
     from bebop_megatron.data.tokenizer import tokenizer_from_dir
@@ -120,8 +127,7 @@ def main(argv=None) -> dict:
           f"{result['tokens_per_target_forward']:.2f} tokens per target forward"
           + (f"; speed-up {result['speedup']:.2f}x" if "speedup" in result else ""))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return result
 
 

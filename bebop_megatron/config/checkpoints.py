@@ -99,6 +99,17 @@ def _check(path: str | None, name: str, cfg) -> None:
             )
 
 
+def import_given_as_training_checkpoint(path: str) -> str | None:
+    """The one line for ``--checkpoint`` of the evaluation tools (eval_acceptance.py,
+    speculative_generate.py) when ``path`` is a model imported by convert_from_hf.py, not a
+    training checkpoint (they used to call it damaged); None otherwise."""
+    if not os.path.isfile(os.path.join(path, IMPORT_RECORD)):
+        return None
+    return (f"--checkpoint {path} is a model imported by tools/convert_from_hf.py, not a training checkpoint: train "
+            f"MTP heads on it (model.backbone_checkpoint={path}, or model.init_checkpoint to start from its MTP "
+            f"layers, with the settings of its {IMPORT_RECORD}) and pass that run's save.dir")
+
+
 def validate_checkpoints(cfg) -> None:
     """Refuse a training checkpoint (or save.dir) given as the model to load, and an import whose
     recorded sizes differ from ``cfg.model``."""

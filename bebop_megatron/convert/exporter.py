@@ -26,6 +26,7 @@ from bebop_megatron.convert.qwen3_next import Qwen3Next
 from bebop_megatron.convert.hf_config import describe, model_overrides, read_config
 from bebop_megatron.convert.hf_io import copy_tokenizer, read_all, write_json, write_sharded
 from bebop_megatron.convert.layers import layer_to_hf
+from bebop_megatron.convert.source_check import check_out_apart, check_source, recorded_model
 
 
 def export_tensors(sd: dict, hf, fmt, num_mtp: int, target: str, mtp_only: bool) -> dict[str, torch.Tensor]:
@@ -83,12 +84,9 @@ def _check_out(out_dir: str, overwrite: bool) -> None:
                            "same names are replaced, earlier weight files removed), or choose another directory")
 
 
-def _prepare_out(out_dir: str, inputs: list) -> None:
+def _prepare_out(out_dir: str) -> None:
     """Create ``out_dir``; remove an earlier export's weight files (a different shard count
-    would leave stale shards); never write into an input directory."""
-    real = os.path.realpath(out_dir)
-    if any(p and os.path.realpath(p) == real for p in inputs):
-        raise ConvertError(f"--out {out_dir} is one of the input directories")
+    would leave stale shards)."""
     if os.path.isfile(os.path.join(out_dir, "metadata.json")):
         raise ConvertError(f"--out {out_dir} holds a Megatron checkpoint; refusing to write into it")
     os.makedirs(out_dir, exist_ok=True)
@@ -97,12 +95,20 @@ def _prepare_out(out_dir: str, inputs: list) -> None:
             os.remove(os.path.join(out_dir, name))
 
 
-def _hf_dir(explicit, candidates) -> str:
-    if explicit:
-        return explicit
+def _import_hf_dir(candidates) -> str | None:
+    """The ``hf/`` directory convert_from_hf.py wrote next to the first of ``candidates`` with one."""
     for c in candidates:
         if c and os.path.isfile(os.path.join(c, "hf", "config.json")):
             return os.path.join(c, "hf")
+    return None
+
+
+def _hf_dir(explicit, candidates) -> str:
+    if explicit:
+        return explicit
+    found = _import_hf_dir(candidates)
+    if found:
+        return found
     raise ConvertError("no hf/config.json next to the checkpoints (written by convert_from_hf.py): pass --hf-dir "
                        "with the source model's config.json and tokenizer")
 
@@ -126,6 +132,7 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     if target not in TARGETS:
         raise ConvertError(f"unknown --target {target!r} (choose from {', '.join(TARGETS)})")
     fmt = get_format(fmt_name)
+    check_out_apart(out_dir, {"--checkpoint": checkpoint, "--backbone": backbone, "--hf-dir": hf_dir})
     _check_out(out_dir, overwrite)
     engine = handoff_mod.engine_handoff(fmt, target, vllm_handoff)
     ckpt = megatron_io.resolve_checkpoint(checkpoint)
@@ -133,6 +140,7 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     num_mtp = megatron_io.num_mtp_layers(shapes)
     if num_mtp == 0:
         raise ConvertError(f"{ckpt} holds no MTP layers")
+    common = _training_common(ckpt)
     if backbone is None:
         if not megatron_io.has_backbone(shapes):
             raise ConvertError(f"{ckpt} holds only MTP weights (a training checkpoint): pass --backbone "
@@ -140,24 +148,26 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
         bb = ckpt
     else:
         bb = megatron_io.resolve_checkpoint(backbone)
-        check_backbone(_training_common(ckpt), ckpt, bb, allow_moved_backbone, log)
+        check_backbone(common, ckpt, bb, allow_moved_backbone, log)
     bb_shapes = megatron_io.checkpoint_shapes(bb) if bb != ckpt else shapes
     if not megatron_io.has_backbone(bb_shapes):
         raise ConvertError(f"--backbone {bb} holds no backbone weights")
     source = _hf_dir(hf_dir, [backbone, checkpoint, bb])  # the source config.json, tokenizer (and vision tower)
     hf = describe(read_config(source))
+    imported_hf = _import_hf_dir([backbone, checkpoint, bb])
+    check_source(source, hf_dir is not None, hf, bb_shapes["embedding.word_embeddings.weight"],
+                 recorded_model(ckpt, common, bb),
+                 imported_hf and os.path.join(imported_hf, "config.json"))
     fmt.check(hf.layer, hf.family, num_mtp, target, mtp_only)
     config = fmt.hf_config(hf.config, num_mtp, target, mtp_only)
     vision = {}  # Qwen3.5's multimodal layout: the vision tower, passed through unchanged (full export)
     if issubclass(fmt, Qwen3Next) and not mtp_only:
         vision = vision_tensors(source, config)
     rows = bb_shapes["embedding.word_embeddings.weight"][0]
-    if rows < hf.vocab_size:
-        raise ConvertError(f"checkpoint vocabulary {rows} < config.json vocab_size {hf.vocab_size}")
 
     # The Megatron model runs K steps chained as the heads were trained; the reference chains
     # them as the target engine does, so a hand-off mismatch fails --verify from step 2 on.
-    trained = handoff_mod.trained_chain(ckpt, _training_common(ckpt))
+    trained = handoff_mod.trained_chain(ckpt, common)
     K = handoff_mod.num_draft_steps(num_steps, trained, num_mtp, verify)
     if trained.handoff != engine and K > 1:
         log(handoff_mod.mismatch_warning(fmt, trained.handoff, engine, target))
@@ -171,7 +181,7 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     expected.update({k: tuple(v.shape) for k, v in vision.items()})
     verify_mod.check_keys(tensors, expected)  # before anything is written
 
-    _prepare_out(out_dir, [checkpoint, ckpt, bb, backbone, hf_dir])
+    _prepare_out(out_dir)
     with tqdm(total=len(tensors), desc="tensors", unit="t", disable=not progress) as bar:
         write_sharded(tensors, out_dir, progress=bar)
     write_json(os.path.join(out_dir, "config.json"), config)

@@ -39,6 +39,11 @@ def preprocess(
         if not os.path.isfile(path):
             raise DataError(f"--input {path}: no such file")
     parent = check_output_prefix(output_prefix)
+    outputs = {os.path.realpath(path): path for path in dataset_files(output_prefix)}
+    for path in inputs:  # --overwrite would replace (truncate) the file being read
+        if os.path.realpath(path) in outputs:
+            raise DataError(f"--input {path} is one of the files --output-prefix {output_prefix} writes "
+                            f"({outputs[os.path.realpath(path)]}); choose another prefix")
     existing = [path for path in dataset_files(output_prefix) if os.path.lexists(path)]
     if existing and not overwrite:  # silently, a run resuming on this prefix would go on with other data
         raise DataError(f"--output-prefix {output_prefix}: {existing[0]} already exists (a dataset written "

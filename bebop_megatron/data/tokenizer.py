@@ -85,7 +85,10 @@ class HFTokenizer:
         if problem:
             raise DataError(f"data.tokenizer={path!r} {problem}")
         try:
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            # trust_remote_code=False: transformers reads config.json for the model type and, for one naming
+            # custom code (a MiMo export's auto_map), would ask "run the custom code? [y/N]"; the tokenizer
+            # files need none (the importer reads config.json as plain JSON).
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
         except Exception as err:  # OSError, ValueError, JSON errors: all mean "not a tokenizer dir"
             reason = " ".join(str(err).split())[:300] or type(err).__name__
             raise DataError(f"data.tokenizer={path!r}: cannot load a Hugging Face tokenizer: {reason}") from None

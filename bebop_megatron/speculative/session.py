@@ -42,6 +42,11 @@ def resolve_checkpoint(path: str) -> str:
         if os.path.isfile(os.path.join(found, "metadata.json")):
             return found
         raise ValueError(f"checkpoint not found: {marker} names {found}, which is not a complete checkpoint")
+    from bebop_megatron.config.checkpoints import import_given_as_training_checkpoint
+
+    problem = import_given_as_training_checkpoint(path)  # eval_acceptance.py's check
+    if problem:
+        raise ValueError(problem)
     if os.path.isfile(os.path.join(path, "metadata.json")):
         return path
     raise ValueError(f"checkpoint not found: {path} (expected a save.dir with 'latest', an iter_N directory, or an "

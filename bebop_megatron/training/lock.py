@@ -101,10 +101,16 @@ def _read(path: str) -> dict | None:
 def acquire(save_dir: str) -> str | None:
     """Take the lock (rank 0). Returns a notice when a stale lock was taken over, else None.
     Raises ``ValueError`` (one line) when another live run, or an unreadable lock, holds it."""
+    os.makedirs(save_dir, exist_ok=True)
+    return acquire_file(os.path.join(save_dir, LOCK_FILE), f"save.dir={save_dir}", "save.dir", "directory")
+
+
+def acquire_file(path: str, name: str, flag: str, kind: str) -> str | None:
+    """Take the lock file ``path`` for what the messages call ``name`` (e.g. ``--out F``; another
+    ``flag`` is the way out, a ``kind`` is what it names), as :func:`acquire` does for a save.dir
+    (``tools/generate_responses.py`` locks its ``--out`` this way)."""
     from bebop_megatron.config import ConfigError
 
-    os.makedirs(save_dir, exist_ok=True)
-    path = os.path.join(save_dir, LOCK_FILE)
     me = this_run()
     notice = None
     for _ in range(3):  # a concurrent run may create or take over the lock between our steps
@@ -117,14 +123,14 @@ def acquire(save_dir: str) -> str | None:
         if holder and all(holder.get(k) == me[k] for k in ("host", "pid", "process_start")):
             return notice  # this process holds it already
         if holder is None:
-            raise ConfigError(f"save.dir={save_dir} is locked by {path}, which cannot be read; if no run uses "
-                              "this directory, delete the lock file")
+            raise ConfigError(f"{name} is locked by {path}, which cannot be read; if no run uses this {kind}, "
+                              "delete the lock file")
         if not is_stale(holder, me):
             raise ConfigError(
-                f"save.dir={save_dir} is in use by another run ({describe(holder)}; lock {path}): wait for it to "
-                "end or use another save.dir; if that run is gone, delete the lock file"
+                f"{name} is in use by another run ({describe(holder)}; lock {path}): wait for it to end or use "
+                f"another {flag}; if that run is gone, delete the lock file"
             )
-        notice = f"save.dir={save_dir}: taking over the lock of a run that is gone ({describe(holder)})"
+        notice = f"{name}: taking over the lock of a run that is gone ({describe(holder)})"
         stale = f"{path}.stale.{me['pid']}"
         try:
             os.replace(path, stale)
@@ -136,7 +142,7 @@ def acquire(save_dir: str) -> str | None:
             except FileExistsError:
                 pass
         os.remove(stale)
-    raise ConfigError(f"save.dir={save_dir}: could not take the lock {path} (another run is starting?)")
+    raise ConfigError(f"{name}: could not take the lock {path} (another run is starting?)")
 
 
 def release(path: str, me: dict) -> None:

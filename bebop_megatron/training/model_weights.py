@@ -18,6 +18,13 @@ from megatron.core import dist_checkpointing
 from bebop_megatron.model import is_mtp_param
 
 
+class BackboneChanged(ValueError):
+    """The backbone's files changed since the checkpoint was trained on them; every rank finds it
+    alike (:func:`bebop_megatron.cli.run_cli` prints it once)."""
+
+    same_on_every_rank = True
+
+
 def use_in_process_write_results() -> None:
     """Collect writer results in a plain queue instead of a spawned ``Manager`` process.
 
@@ -97,9 +104,18 @@ def load_trained_model(cfg, ckpt_path: str, device):
     """Build the model as the trainer does (``cfg`` after ``setup_parallel``), load the backbone
     (``model.backbone_checkpoint``, ``model.init_checkpoint``, or the seeded initialisation)
     and the trained MTP layers of ``ckpt_path``; eval mode. A training checkpoint holds the
-    MTP weights (and optimizer), not the frozen backbone."""
+    MTP weights (and optimizer), not the frozen backbone: one whose files changed under the
+    recorded path since (re-imported with other weights) is refused, as on resume."""
     from bebop_megatron.model import build_model
+    from bebop_megatron.training.fingerprint import backbone_record
+    from bebop_megatron.training.same_backbone import backbone_change
 
+    current = backbone_record(cfg.model.backbone_checkpoint, cfg.model.init_checkpoint, cfg.train.seed)
+    saved = (dist_checkpointing.load_common_state_dict(ckpt_path).get("common") or {}).get("backbone")
+    change = backbone_change(saved, current)
+    if change:  # its MTP heads would be measured against (or decode with) another model
+        raise BackboneChanged(f"cannot load {ckpt_path}: {change}; restore that backbone (the heads were trained on "
+                              "it)")
     model = build_model(cfg, device)
     if cfg.model.backbone_checkpoint:
         load_model_weights(cfg.model.backbone_checkpoint, model, backbone_only=True)

@@ -30,6 +30,7 @@ from bebop_megatron.config import Config
 from bebop_megatron.training import lock
 from bebop_megatron.training.checkpoint import CONFIG_FILE, LATEST, list_checkpoints
 from bebop_megatron.training.fingerprint import backbone_record, data_record, short
+from bebop_megatron.training.same_backbone import backbone_change
 
 METADATA_FILES = ("metadata.json", ".metadata")
 DATA_KEYS = ("train.seq_length", "data.train_files", "data.tokenizer", "data.train_on", "data.pack", "data.overlong",
@@ -290,16 +291,11 @@ def plan_start(cfg: Config) -> Plan:
 
 def _check_same_backbone(path: str, current: dict) -> None:
     """Refuse a backbone whose files changed under the same path (a moved or changed path is
-    a config change, refused by :func:`compare_configs`). Older checkpoints record none."""
-    saved = common_state(path).get("backbone")
-    if not saved or not saved.get("fingerprint") or not current.get("fingerprint"):
-        return
-    if saved.get("path") == current["path"] and saved["fingerprint"] != current["fingerprint"]:
-        raise StartError(
-            f"cannot resume from {path}: the backbone {current['path']} is not the one the checkpoint was trained on "
-            f"(its files changed: fingerprint {short(current['fingerprint'])}, trained on "
-            f"{short(saved['fingerprint'])}); restore that backbone, or start a new run in another save.dir"
-        )
+    a config change, refused by :func:`compare_configs`)."""
+    change = backbone_change(common_state(path).get("backbone"), current)
+    if change:
+        raise StartError(f"cannot resume from {path}: {change}; restore that backbone, or start a new run in another "
+                         "save.dir")
 
 
 def _check_same_data(path: str, current: dict) -> None:
