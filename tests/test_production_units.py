@@ -147,6 +147,11 @@ BAD = [
     (["save.async_save=maybe"], "config field 'save.async_save'"),
     (["logging.peak_tflops=-1"], "logging.peak_tflops=-1.0 must be > 0 (or null)"),
     (["precision=fp8", "model.transformer_impl=local"], "precision=fp8 needs model.transformer_impl"),
+    # issue 36 item 8: refused before anything runs (the quick start fitted its backbone first, then hung)
+    (["model.max_position_embeddings=512", "train.seq_length=1024"],
+     "train.seq_length=1024 is above model.max_position_embeddings=512: lower it, or set "
+     "train.allow_beyond_max_positions=true to extrapolate RoPE past the positions the backbone was trained on"),
+    (["train.seq_length=100000000"], "train.seq_length=100000000 is above model.max_position_embeddings=4096"),
 ]
 
 
@@ -195,3 +200,19 @@ def test_wandb_run_id_is_kept_in_the_save_dir(tmp_path):
     assert first and wandb_run_id(str(tmp_path / "ckpt")) == first  # a resumed run: same id
     assert wandb_run_id(str(tmp_path / "other")) != first
 
+
+def test_seq_length_beyond_max_positions_only_with_the_override():
+    cfg = load_config(overrides=["model.max_position_embeddings=512", "train.seq_length=1024",
+                                 "train.allow_beyond_max_positions=true"])
+    assert cfg.train.seq_length == 1024
+
+
+def test_eta_after_a_resume_counts_only_this_process_steps():
+    from bebop_megatron.training.step_metrics import StepMetrics, step_line
+
+    # resumed at step 20, 10 steps in 10 s: 1 s a step, 10 steps left -> 10 s (not 10/30*10 = 3 s)
+    m = StepMetrics(step=30, loss=1.0, grad_norm=0.0, lr=1e-4, top1=[0.5], ce=[0.0], alpha_rs=[0.5],
+                    entropy_target=[1.0], accept_len_rs=[1.5])
+    line = step_line(m, 10.0, steps=40, loss_type="tv", skipped_total=0, start_step=20)
+    assert line.endswith("ETA 10s"), line
+    assert step_line(m, 30.0, steps=40, loss_type="tv", skipped_total=0).endswith("ETA 10s")  # a fresh run
