@@ -6,7 +6,45 @@ device" and the file name were lost (see ``bebop_megatron.training.write_errors`
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
+
 failed_writes: list[OSError] = []  # this process's failed shard writes, with their file names
+_defer_coordinator_errors = False
+
+
+@contextlib.contextmanager
+def deferred_coordinator_errors():
+    """While active, an ``OSError`` of the writes rank 0 makes alone (``.metadata``,
+    ``metadata.json``) is recorded in :data:`failed_writes` instead of raised.
+
+    Reason: raised there (a full disk), it made rank 0 skip the collective that follows those
+    writes on every other rank (a broadcast, a barrier) and enter the next one instead; gloo's
+    mismatched collectives then crashed it (SIGSEGV, ``run.lock`` left behind). The caller agrees
+    on :data:`failed_writes` after the save
+    (:func:`bebop_megatron.training.write_errors.raise_agreed_write_error`).
+    """
+    global _defer_coordinator_errors
+    previous, _defer_coordinator_errors = _defer_coordinator_errors, True
+    try:
+        yield
+    finally:
+        _defer_coordinator_errors = previous
+
+
+def _deferring(original, file_of):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except OSError as err:
+            if not _defer_coordinator_errors:
+                raise
+            failed_writes.append(err if err.filename else OSError(err.errno, err.strerror, file_of(*args, **kwargs)))
+
+    wrapper.records_errors = True
+    return wrapper
 
 
 def record_write_errors() -> None:
@@ -19,11 +57,17 @@ def record_write_errors() -> None:
     keeps the text of what it raises there, which also reaches the trainer from the forked
     writer of ``save.async_save``.
     """
+    from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     original = FileSystemWriterAsync.write_preloaded_data
     if getattr(original, "records_errors", False):
         return
+    # Rank 0's own writes: recorded under deferred_coordinator_errors (see there).
+    FileSystemWriterAsync.finish = _deferring(
+        FileSystemWriterAsync.finish, lambda writer, *a, **k: os.path.join(str(writer.checkpoint_dir), ".metadata"))
+    serialization.save_config = _deferring(
+        serialization.save_config, lambda config, checkpoint_dir, *a, **k: os.path.join(str(checkpoint_dir), "metadata.json"))
 
     def write_preloaded_data(transform_list, local_proc_idx, write_bucket, *args, **kwargs):
         output = original(transform_list, local_proc_idx, write_bucket, *args, **kwargs)

@@ -3,7 +3,7 @@ with optional faults injected (the tests in tests/distributed/test_crash_*.py an
 tests/test_production_*.py).
 
     python tests/helpers/production_run.py --stream FILE [--nan-steps 2,4] [--crash-in-save N]
-        [--disk-full-in-save N] [--save-model PATH] key=value ...
+        [--disk-full-in-save N] [--disk-full-in-metadata N] [--save-model PATH] key=value ...
 
 Launched directly, one process per rank (RANK / WORLD_SIZE / MASTER_* set by the test, as srun
 would), so that each rank's exit status and signals are the test's to see. Every rank writes
@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--crash-in-save", type=int, default=0, help="SIGKILL every rank inside the N-th save")
     parser.add_argument("--disk-full-in-save", type=int, default=0,
                         help="the N-th save's shard writes fail with ENOSPC on rank 0 (a full disk)")
+    parser.add_argument("--disk-full-in-metadata", type=int, default=0,
+                        help="the N-th save's .metadata write (rank 0 alone writes it) fails with ENOSPC")
     parser.add_argument("--save-model", default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -92,6 +94,25 @@ def main() -> None:
 
         ckpt.dist_checkpointing.save = counting_save
         filesystem_async._write_item = full_disk_write
+
+    if args.disk_full_in_metadata:  # the shards fitted, the file rank 0 writes after them did not
+        import errno
+
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        real_save, real_finish, saves = ckpt.dist_checkpointing.save, FileSystemWriter.finish, []
+
+        def counting_save(state, directory, *a, **k):
+            saves.append(directory)
+            return real_save(state, directory, *a, **k)
+
+        def full_disk_finish(self, *a, **k):
+            if len(saves) == args.disk_full_in_metadata:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what write() raises: no file name
+            return real_finish(self, *a, **k)
+
+        ckpt.dist_checkpointing.save = counting_save
+        FileSystemWriter.finish = full_disk_finish
 
     real_step = trainer.train_step
     mtp = [p for p in trainer.model.parameters() if p.requires_grad]
