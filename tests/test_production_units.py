@@ -216,3 +216,29 @@ def test_eta_after_a_resume_counts_only_this_process_steps():
     line = step_line(m, 10.0, steps=40, loss_type="tv", skipped_total=0, start_step=20)
     assert line.endswith("ETA 10s"), line
     assert step_line(m, 30.0, steps=40, loss_type="tv", skipped_total=0).endswith("ETA 10s")  # a fresh run
+
+
+def test_a_short_write_on_a_full_disk_is_named(monkeypatch, tmp_path):
+    """Issue 36: on a real full disk torch's zip writer fails with "[enforce fail at
+    inline_container.cc] unexpected pos" (a RuntimeError, no errno): the error line said
+    "Worker failure: ... RuntimeError". A write failure on a filesystem without space is named."""
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from bebop_megatron.platform import checkpoint_writer
+    from bebop_megatron.training.write_errors import write_problem
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data",
+                        staticmethod(lambda transforms, index, bucket, *a, **k: (index, short)))
+    checkpoint_writer.record_write_errors()  # wraps the failing writer above
+    shard = str(tmp_path / "__0_0.distcp")
+    monkeypatch.setattr(checkpoint_writer, "FULL_BELOW", 1 << 62, raising=False)  # tmp_path's filesystem counts as full
+    with pytest.raises(OSError) as err:  # the main writer (no results queue) raises it
+        FileSystemWriterAsync.write_preloaded_data([], 0, (shard,), results_queue=None)
+    assert (err.value.errno, err.value.filename) == (errno.ENOSPC, shard)
+    assert write_problem(None, str(tmp_path)) == f"no space left on device while writing {shard}"
+    monkeypatch.setattr(checkpoint_writer, "FULL_BELOW", 0)  # space left: the error is not a full disk
+    assert FileSystemWriterAsync.write_preloaded_data([], 0, (shard,), results_queue=None) == (0, short)
+    assert write_problem(None, str(tmp_path)) is None
