@@ -242,3 +242,36 @@ def test_a_short_write_on_a_full_disk_is_named(monkeypatch, tmp_path):
     monkeypatch.setattr(checkpoint_writer, "FULL_BELOW", 0)  # space left: the error is not a full disk
     assert FileSystemWriterAsync.write_preloaded_data([], 0, (shard,), results_queue=None) == (0, short)
     assert write_problem(None, str(tmp_path)) is None
+
+
+def test_outputs_that_cannot_be_opened_are_one_line(tmp_path, monkeypatch):
+    """Issue 36: these were tracebacks (FileNotFoundError, OSError, wandb's UsageError)."""
+    import errno
+
+    from bebop_megatron.training import monitor
+    from bebop_megatron.training.monitor import Monitor, MonitorError
+
+    def opened(*overrides):
+        Monitor(load_config(overrides=[*TINY, f"save.dir={tmp_path / 'ckpt'}", *overrides]), rank=0)
+
+    with pytest.raises(MonitorError) as err:
+        opened("logging.tensorboard_dir=/proc/nope/tb")
+    assert str(err.value) == "logging.tensorboard_dir=/proc/nope/tb cannot be written (No such file or directory: /proc/nope)"
+
+    def read_only(path, *args, **kwargs):  # a read-only mount (root may write anywhere else)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    monkeypatch.setattr(monitor, "open", read_only, raising=False)
+    with pytest.raises(MonitorError) as err:
+        opened(f"logging.metrics_file={tmp_path / 'm.jsonl'}")
+    assert str(err.value) == (f"logging.metrics_file={tmp_path / 'm.jsonl'} cannot be written (Read-only file system: "
+                              f"{tmp_path / 'm.jsonl'})")
+    monkeypatch.undo()
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    with pytest.raises(MonitorError) as err:
+        opened("logging.wandb.mode=online")
+    assert str(err.value).startswith("logging.wandb.mode=online: wandb refused to start (")
+    assert str(err.value).endswith("): set WANDB_API_KEY (or run `wandb login`), or use logging.wandb.mode=offline")
+    assert "\n" not in str(err.value)
