@@ -3,7 +3,7 @@ with optional faults injected (the tests in tests/distributed/test_crash_*.py an
 tests/test_production_*.py).
 
     python tests/helpers/production_run.py --stream FILE [--nan-steps 2,4] [--crash-in-save N]
-        [--disk-full-in-save N] [--disk-full-in-metadata N] [--save-model PATH] key=value ...
+        [--disk-full-in-save N] [--disk-full-in-metadata N] [--report-exit] [--save-model PATH] key=value ...
 
 Launched directly, one process per rank (RANK / WORLD_SIZE / MASTER_* set by the test, as srun
 would), so that each rank's exit status and signals are the test's to see. Every rank writes
@@ -34,10 +34,21 @@ def main() -> None:
                         help="the N-th save's shard writes fail with ENOSPC on rank 0 (a full disk)")
     parser.add_argument("--disk-full-in-metadata", type=int, default=0,
                         help="the N-th save's .metadata write (rank 0 alone writes it) fails with ENOSPC")
+    parser.add_argument("--report-exit", action="store_true",
+                        help="print at interpreter exit (after the trainer's own exit handlers) whether the "
+                             "process group is still alive")
     parser.add_argument("--save-model", default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(overrides=args.overrides)
+    if args.report_exit:  # registered first, so it runs after every handler registered later
+        import atexit
+        import sys
+
+        import torch.distributed as dist
+
+        atexit.register(lambda: print(f"at exit: process group {'alive' if dist.is_initialized() else 'destroyed'}",
+                                      file=sys.stderr, flush=True))
 
     from bebop_megatron.training import checkpoint as ckpt
     from bebop_megatron.training import model_weights
