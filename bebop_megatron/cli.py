@@ -41,10 +41,20 @@ def _same_on_every_rank(err: BaseException) -> bool:
     return data_errors is not None and isinstance(err, data_errors.DataError)
 
 
+def _close_distributed_at_exit() -> None:
+    """Every rank exits alike: destroy the process groups before the interpreter's teardown
+    (:func:`bebop_megatron.platform.close_distributed_at_exit`; not imported here: it is heavy)."""
+    platform = sys.modules.get("bebop_megatron.platform")
+    if platform is not None:
+        platform.close_distributed_at_exit()
+
+
 def _report(err: BaseException, exit_code: int) -> None:
     """``error: ...`` on stderr: rank 0 prints every error, another rank the ones only it may have
     raised, with its rank (``error: [rank 3] ...``); then exit with ``exit_code``."""
     rank = int(os.environ.get("RANK", "0"))
+    if _same_on_every_rank(err):
+        _close_distributed_at_exit()
     if rank == 0:
         print(f"error: {err}", file=sys.stderr, flush=True)
     elif not _same_on_every_rank(err):
@@ -64,6 +74,11 @@ def run_cli(main: Callable[[], None]) -> None:
     watch_launcher()
     try:
         main()
+        _close_distributed_at_exit()  # every rank got here: a success
+    except SystemExit as exit_:  # the trainer's Preempted (75), agreed by every rank
+        if getattr(exit_, "message", None) is not None:
+            _close_distributed_at_exit()
+        raise
     except ValueError as err:
         _report(err, 2)
     except RuntimeError as err:  # NumericsError, CheckpointWriteError carry exit_code

@@ -20,22 +20,27 @@ def docs(word: str, n: int = 12) -> list[dict]:
     return [{"prompt": f"say {word} {i} times", "response": " ".join([word] * (i + 3))} for i in range(n)]
 
 
-def test_file_fingerprint_whole_and_sampled(tmp_path):
-    from bebop_megatron.training.fingerprint import data_record, file_fingerprint
+def test_file_fingerprint_covers_every_byte(tmp_path):
+    from bebop_megatron.training.fingerprint import data_record, file_fingerprint, sampled_file_fingerprint
+    from bebop_megatron.training.resume import _sampled_match
 
     small = tmp_path / "small.jsonl"
     small.write_bytes(b'{"text": "a"}\n' * 10)
     before = file_fingerprint(str(small))
     small.write_bytes(b'{"text": "b"}\n' * 10)  # the same size, other bytes
     assert file_fingerprint(str(small)) != before
-    big = tmp_path / "big.bin"
-    big.write_bytes(bytes(range(256)) * (5 << 12))  # 5 MiB: 16 sampled blocks
-    shutil.copy(big, tmp_path / "copy.bin")
-    assert file_fingerprint(str(big)) == file_fingerprint(str(tmp_path / "copy.bin"))
-    with open(big, "r+b") as f:  # inside the last sampled block
-        f.seek(big.stat().st_size - 100)
-        f.write(b"changed")
-    assert file_fingerprint(str(big)) != file_fingerprint(str(tmp_path / "copy.bin"))
+    big = tmp_path / "big.jsonl"
+    big.write_bytes(b'{"text": "abcdefghijklmnopqrstuvwxyz0123456789abcdefghijklmnopqrstuvwx"}\n' * 17_000)  # 1.1 MB
+    shutil.copy(big, tmp_path / "copy.jsonl")
+    assert file_fingerprint(str(big)) == file_fingerprint(str(tmp_path / "copy.jsonl"))
+    legacy = sampled_file_fingerprint(str(big))
+    with open(big, "r+b") as f:  # a same-size edit between the blocks the old fingerprint sampled
+        f.seek(68 << 10)
+        f.write(b"ZZZZ")
+    assert sampled_file_fingerprint(str(big)) == legacy  # what let the edit through before
+    assert file_fingerprint(str(big)) != file_fingerprint(str(tmp_path / "copy.jsonl"))
+    # A checkpoint saved before records the sampled value: still accepted, as it can tell no more.
+    assert _sampled_match(str(big), legacy) and not _sampled_match(str(big), file_fingerprint(str(tmp_path / "copy.jsonl")))
     assert data_record(None) == {}
 
 

@@ -147,6 +147,11 @@ BAD = [
     (["save.async_save=maybe"], "config field 'save.async_save'"),
     (["logging.peak_tflops=-1"], "logging.peak_tflops=-1.0 must be > 0 (or null)"),
     (["precision=fp8", "model.transformer_impl=local"], "precision=fp8 needs model.transformer_impl"),
+    # issue 36 item 8: refused before anything runs (the quick start fitted its backbone first, then hung)
+    (["model.max_position_embeddings=512", "train.seq_length=1024"],
+     "train.seq_length=1024 is above model.max_position_embeddings=512: lower it, or set "
+     "train.allow_beyond_max_positions=true to extrapolate RoPE past the positions the backbone was trained on"),
+    (["train.seq_length=100000000"], "train.seq_length=100000000 is above model.max_position_embeddings=4096"),
 ]
 
 
@@ -195,3 +200,78 @@ def test_wandb_run_id_is_kept_in_the_save_dir(tmp_path):
     assert first and wandb_run_id(str(tmp_path / "ckpt")) == first  # a resumed run: same id
     assert wandb_run_id(str(tmp_path / "other")) != first
 
+
+def test_seq_length_beyond_max_positions_only_with_the_override():
+    cfg = load_config(overrides=["model.max_position_embeddings=512", "train.seq_length=1024",
+                                 "train.allow_beyond_max_positions=true"])
+    assert cfg.train.seq_length == 1024
+
+
+def test_eta_after_a_resume_counts_only_this_process_steps():
+    from bebop_megatron.training.step_metrics import StepMetrics, step_line
+
+    # resumed at step 20, 10 steps in 10 s: 1 s a step, 10 steps left -> 10 s (not 10/30*10 = 3 s)
+    m = StepMetrics(step=30, loss=1.0, grad_norm=0.0, lr=1e-4, top1=[0.5], ce=[0.0], alpha_rs=[0.5],
+                    entropy_target=[1.0], accept_len_rs=[1.5])
+    line = step_line(m, 10.0, steps=40, loss_type="tv", skipped_total=0, start_step=20)
+    assert line.endswith("ETA 10s"), line
+    assert step_line(m, 30.0, steps=40, loss_type="tv", skipped_total=0).endswith("ETA 10s")  # a fresh run
+
+
+def test_a_short_write_on_a_full_disk_is_named(monkeypatch, tmp_path):
+    """Issue 36: on a real full disk torch's zip writer fails with "[enforce fail at
+    inline_container.cc] unexpected pos" (a RuntimeError, no errno): the error line said
+    "Worker failure: ... RuntimeError". A write failure on a filesystem without space is named."""
+    import errno
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from bebop_megatron.platform import checkpoint_writer
+    from bebop_megatron.training.write_errors import write_problem
+
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(FileSystemWriterAsync, "write_preloaded_data",
+                        staticmethod(lambda transforms, index, bucket, *a, **k: (index, short)))
+    checkpoint_writer.record_write_errors()  # wraps the failing writer above
+    shard = str(tmp_path / "__0_0.distcp")
+    monkeypatch.setattr(checkpoint_writer, "FULL_BELOW", 1 << 62, raising=False)  # tmp_path's filesystem counts as full
+    with pytest.raises(OSError) as err:  # the main writer (no results queue) raises it
+        FileSystemWriterAsync.write_preloaded_data([], 0, (shard,), results_queue=None)
+    assert (err.value.errno, err.value.filename) == (errno.ENOSPC, shard)
+    assert write_problem(None, str(tmp_path)) == f"no space left on device while writing {shard}"
+    monkeypatch.setattr(checkpoint_writer, "FULL_BELOW", 0)  # space left: the error is not a full disk
+    assert FileSystemWriterAsync.write_preloaded_data([], 0, (shard,), results_queue=None) == (0, short)
+    assert write_problem(None, str(tmp_path)) is None
+
+
+def test_outputs_that_cannot_be_opened_are_one_line(tmp_path, monkeypatch):
+    """Issue 36: these were tracebacks (FileNotFoundError, OSError, wandb's UsageError)."""
+    import errno
+
+    from bebop_megatron.training import monitor
+    from bebop_megatron.training.monitor import Monitor, MonitorError
+
+    def opened(*overrides):
+        Monitor(load_config(overrides=[*TINY, f"save.dir={tmp_path / 'ckpt'}", *overrides]), rank=0)
+
+    with pytest.raises(MonitorError) as err:
+        opened("logging.tensorboard_dir=/proc/nope/tb")
+    assert str(err.value) == "logging.tensorboard_dir=/proc/nope/tb cannot be written (No such file or directory: /proc/nope)"
+
+    def read_only(path, *args, **kwargs):  # a read-only mount (root may write anywhere else)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    monkeypatch.setattr(monitor, "open", read_only, raising=False)
+    with pytest.raises(MonitorError) as err:
+        opened(f"logging.metrics_file={tmp_path / 'm.jsonl'}")
+    assert str(err.value) == (f"logging.metrics_file={tmp_path / 'm.jsonl'} cannot be written (Read-only file system: "
+                              f"{tmp_path / 'm.jsonl'})")
+    monkeypatch.undo()
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    with pytest.raises(MonitorError) as err:
+        opened("logging.wandb.mode=online")
+    assert str(err.value).startswith("logging.wandb.mode=online: wandb refused to start (")
+    assert str(err.value).endswith("): set WANDB_API_KEY (or run `wandb login`), or use logging.wandb.mode=offline")
+    assert "\n" not in str(err.value)

@@ -103,3 +103,26 @@ def test_a_full_disk_during_the_fit_is_named(cache, monkeypatch):
     assert str(err.value) == (f"synthetic-backbone cache: no space left on device while writing "
                               f"{os.path.join(tmp, '__0_0.distcp')}; {HINT}")
     assert entries(cache) == []
+
+
+SIGTERM_DURING_FIT = """
+import os, signal, sys
+from bebop_megatron.training import synthetic_backbone
+from tests.helpers.synthetic_fit import tiny_config
+
+def terminated(cmd, **kwargs):  # the fit child is running: the job gets SIGTERM (timeout, scancel)
+    print(sorted(os.listdir(os.path.dirname(cmd[-1]))), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    raise AssertionError("SIGTERM did not stop the fit")
+
+synthetic_backbone.subprocess.run = terminated
+synthetic_backbone.prepare(tiny_config(), log=lambda line: None)
+"""
+
+
+def test_sigterm_during_the_fit_leaves_no_tmp(cache, tmp_path):
+    proc = forkserver.run([sys.executable, "-c", SIGTERM_DURING_FIT], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "BEBOP_MEGATRON_CACHE": str(cache)}, cwd=str(HELPERS.parents[1]))
+    assert proc.returncode == 128 + 15, proc.stderr[-2000:]  # SystemExit(143), not a kill by the signal (-15)
+    assert ".tmp" in proc.stdout  # the entry was being written
+    assert entries(cache) == []

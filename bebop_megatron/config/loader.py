@@ -196,6 +196,10 @@ def validate(cfg: Config) -> None:
                           "trains only on positions whose token k+1 ahead is in the row, so with rows this short "
                           "the last steps train on nothing")
     validate_sizes(cfg)
+    if t.seq_length > m.max_position_embeddings and not t.allow_beyond_max_positions:
+        raise ConfigError(f"train.seq_length={t.seq_length} is above model.max_position_embeddings="
+                          f"{m.max_position_embeddings}: lower it, or set train.allow_beyond_max_positions=true "
+                          "to extrapolate RoPE past the positions the backbone was trained on")
     _choice(mtp.next_step_input, "mtp.next_step_input", ("pre_norm", "post_norm"))
     _choice(m.backbone_init, "model.backbone_init", ("random", "fit_synthetic"))
     _choice(mtp.init, "mtp.init", ("auto", "random", "copy_last_layer", "identity"))

@@ -305,6 +305,12 @@ class TrainConfig:
     max_skipped_steps: int = 10
     """Numerics guard: a step whose loss or gradient is not finite is skipped (no update,
     counted and logged); this many consecutive skips abort the run (exit status 3)."""
+    allow_beyond_max_positions: bool = False
+    """Train with ``seq_length`` above ``model.max_position_embeddings`` (refused otherwise).
+    RoPE is then applied unchanged at the positions past it (extrapolated: the same rotation
+    formula, no interpolation or rescaling; YaRN keeps its configured factor), which the
+    backbone never saw in its own training: its hidden states there, and draft heads fitted
+    to them, may be out of distribution."""
 
 
 @dataclass

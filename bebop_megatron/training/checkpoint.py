@@ -33,7 +33,7 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 from bebop_megatron.model import is_mtp_param
 from bebop_megatron.platform import torch_adam
-from bebop_megatron.platform.checkpoint_writer import record_write_errors
+from bebop_megatron.platform.checkpoint_writer import deferred_coordinator_errors, record_write_errors
 from bebop_megatron.training.model_weights import _filtered_sharded_state_dict, _load_into, use_in_process_write_results
 from bebop_megatron.training.model_weights import load_trained_model  # noqa: F401  (re-exported)
 from bebop_megatron.training.write_errors import CheckpointWriteError, raise_agreed_write_error, write_problem
@@ -104,10 +104,11 @@ class AsyncSaver:
     def _finalize(self, blocking: bool) -> None:
         failure = None
         try:
-            self.queue.maybe_finalize_async_calls(blocking=blocking)
+            with deferred_coordinator_errors():
+                self.queue.maybe_finalize_async_calls(blocking=blocking)
         except BaseException as err:  # torch's CheckpointException is a BaseException
-            if isinstance(err, (KeyboardInterrupt, SystemExit)):
-                raise
+            if isinstance(err, (KeyboardInterrupt, SystemExit, CheckpointWriteError)):
+                raise  # CheckpointWriteError: already agreed by every rank (in _publish)
             failure = err
         else:
             return
@@ -134,11 +135,15 @@ def save_training_checkpoint(
     final = os.path.join(save_dir, name)
     tmp = final + ".tmp"
     rank, world = dist.get_rank(), dist.get_world_size()
+    failure = None
     if rank == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
+        try:
+            os.makedirs(save_dir, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as err:  # a full disk: every rank stops with the same line
+            failure = err
+    raise_agreed_write_error(failure, tmp)  # also the barrier before the shards are written
     if async_saver is None:
         use_in_process_write_results()
     state = {"common": common, "rng_state": _rng_sharded_object(rank, world)}
@@ -149,9 +154,9 @@ def save_training_checkpoint(
     publish = functools.partial(_publish, save_dir, name, keep_last, common.get("config_yaml"))
     record_write_errors()
     if async_saver is None:
-        failure = None
         try:
-            dist_checkpointing.save(state, tmp)
+            with deferred_coordinator_errors():
+                dist_checkpointing.save(state, tmp)
         except BaseException as err:  # torch's CheckpointException is a BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -168,8 +173,9 @@ def save_training_checkpoint(
 
 def _publish(save_dir: str, name: str, keep_last: int, config_yaml: str | None) -> None:
     """Add ``config.yaml``, rename the complete ``NAME.tmp`` to ``NAME``, then move ``latest``
-    (collective)."""
-    dist.barrier()
+    (collective). First every rank agrees that the write succeeded (rank 0's ``.metadata`` and
+    ``metadata.json`` errors are recorded, not raised: ``deferred_coordinator_errors``)."""
+    raise_agreed_write_error(None, os.path.join(save_dir, name) + ".tmp")  # also the barrier
     problem = None
     if dist.get_rank() == 0:
         final = os.path.join(save_dir, name)

@@ -46,8 +46,32 @@ def wandb_run_id(save_dir: str | None) -> str | None:
     return run_id
 
 
+class MonitorError(ValueError):
+    """An output that cannot be opened (a directory that cannot be created, a read-only metrics
+    file, wandb online without a login): one line naming the field; every rank raises it alike
+    (rank 0 broadcasts it)."""
+
+    same_on_every_rank = True
+
+
+def _cannot_write(field: str, value: str, err: OSError) -> MonitorError:
+    return MonitorError(f"{field}={value} cannot be written ({err.strerror or err}: {err.filename or value})")
+
+
+def _agreed(problem: str | None) -> str | None:
+    """Rank 0's problem, on every rank (the other ranks would otherwise wait for it forever)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return problem
+
+
 class Monitor:
-    """Console, TensorBoard and wandb outputs of rank 0 (no-ops elsewhere)."""
+    """Console, TensorBoard and wandb outputs of rank 0 (no-ops elsewhere). Construct it on
+    every rank: a problem opening rank 0's outputs is raised on all of them."""
 
     def __init__(self, cfg: Config, rank: int, print_fn=print):
         self.active = rank == 0
@@ -55,12 +79,25 @@ class Monitor:
         self.tensorboard = None
         self.wandb_run = None
         self.metrics_file = None
-        if not self.active:
-            return
+        problem = None
+        if self.active:
+            try:
+                self._open(cfg)
+            except ValueError as err:
+                problem = str(err)
+        problem = _agreed(problem)
+        if problem:
+            self.close()
+            raise MonitorError(problem)
+
+    def _open(self, cfg: Config) -> None:
         log = cfg.logging
         if log.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(log.metrics_file)), exist_ok=True)
-            self.metrics_file = open(log.metrics_file, "a")
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(log.metrics_file)), exist_ok=True)
+                self.metrics_file = open(log.metrics_file, "a")
+            except OSError as err:
+                raise _cannot_write("logging.metrics_file", log.metrics_file, err) from None
         if log.tensorboard_dir:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -68,18 +105,30 @@ class Monitor:
                 raise ValueError(
                     "logging.tensorboard_dir is set but tensorboard is not installed: pip install tensorboard"
                 ) from None
-            self.tensorboard = SummaryWriter(log_dir=log.tensorboard_dir)
-        if log.wandb.mode != "disabled":
             try:
-                import wandb
-            except ImportError:
-                raise ValueError(
-                    f"logging.wandb.mode={log.wandb.mode} needs wandb: pip install -e '.[wandb]'"
-                ) from None
-            from omegaconf import OmegaConf
+                os.makedirs(log.tensorboard_dir, exist_ok=True)
+                self.tensorboard = SummaryWriter(log_dir=log.tensorboard_dir)
+            except OSError as err:
+                raise _cannot_write("logging.tensorboard_dir", log.tensorboard_dir, err) from None
+        if log.wandb.mode != "disabled":
+            self._open_wandb(cfg)
 
-            run_dir = log.wandb.dir or cfg.save.dir or "."
+    def _open_wandb(self, cfg: Config) -> None:
+        log = cfg.logging
+        try:
+            import wandb
+        except ImportError:
+            raise ValueError(
+                f"logging.wandb.mode={log.wandb.mode} needs wandb: pip install -e '.[wandb]'"
+            ) from None
+        from omegaconf import OmegaConf
+
+        run_dir = log.wandb.dir or cfg.save.dir or "."
+        try:
             os.makedirs(run_dir, exist_ok=True)
+        except OSError as err:
+            raise _cannot_write("logging.wandb.dir" if log.wandb.dir else "save.dir", run_dir, err) from None
+        try:
             self.wandb_run = wandb.init(
                 project=log.wandb.project,
                 name=log.wandb.name,
@@ -89,6 +138,11 @@ class Monitor:
                 id=wandb_run_id(cfg.save.dir),
                 resume="allow",
             )
+        except wandb.errors.UsageError as err:  # no API key, a bad entity / project, ...
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            hint = ("set WANDB_API_KEY (or run `wandb login`), or use logging.wandb.mode=offline"
+                    if log.wandb.mode == "online" else "use logging.wandb.mode=disabled")
+            raise MonitorError(f"logging.wandb.mode={log.wandb.mode}: wandb refused to start ({reason}): {hint}") from None
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         if self.metrics_file is not None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from bebop_megatron.config import Config
 from bebop_megatron.training import lock
 from bebop_megatron.training.checkpoint import CONFIG_FILE, LATEST, list_checkpoints
-from bebop_megatron.training.fingerprint import backbone_record, data_record, short
+from bebop_megatron.training.fingerprint import backbone_record, data_record, sampled_file_fingerprint, short
 from bebop_megatron.training.same_backbone import backbone_change
 
 METADATA_FILES = ("metadata.json", ".metadata")
@@ -298,12 +298,20 @@ def _check_same_backbone(path: str, current: dict) -> None:
                          "save.dir")
 
 
+def _sampled_match(file: str, saved: str) -> bool:
+    try:
+        return sampled_file_fingerprint(file) == saved
+    except OSError:
+        return False
+
+
 def _check_same_data(path: str, current: dict) -> None:
     """Refuse a training data file rewritten under the same name since the checkpoint (other
-    names are a config change). Older checkpoints record none."""
+    names are a config change). Older checkpoints record none, or a sampled fingerprint of
+    files over 1 MiB (still accepted from them)."""
     saved = common_state(path).get("train_data") or {}
     for file, value in current.items():
-        if saved.get(file) and value and saved[file] != value:
+        if saved.get(file) and value and saved[file] != value and not _sampled_match(file, saved[file]):
             raise StartError(
                 f"cannot resume from {path}: the training data file {file} changed since the checkpoint was "
                 f"trained on it (fingerprint {short(value)}, trained on {short(saved[file])}); restore it, or start "

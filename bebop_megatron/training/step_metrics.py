@@ -94,9 +94,18 @@ def reduce_step_metrics(
     )
 
 
-def step_line(m: StepMetrics, elapsed: float, *, steps: int, loss_type: str, skipped_total: int) -> str:
-    """The console line of a training step (``elapsed``: seconds since the loop started)."""
-    eta = elapsed / max(len(range(m.step)), 1) * (steps - m.step)
+def eta_seconds(elapsed: float, *, step: int, start_step: int, steps: int) -> float:
+    """Seconds left to ``steps``: ``elapsed`` (this process's loop time) covers only the steps
+    done since ``start_step`` (the step the run resumed at, 0 for a fresh run)."""
+    return elapsed / max(step - start_step, 1) * max(steps - step, 0)
+
+
+def step_line(
+    m: StepMetrics, elapsed: float, *, steps: int, loss_type: str, skipped_total: int, start_step: int = 0,
+) -> str:
+    """The console line of a training step (``elapsed``: seconds since the loop started at
+    ``start_step``)."""
+    eta = eta_seconds(elapsed, step=m.step, start_step=start_step, steps=steps)
     return (
         f"step {m.step:>5}/{steps} | {loss_type} {m.loss:.4f} | alpha_RS [{per_step(m.alpha_rs)}] | "
         f"E[L] {m.accept_len_rs[-1]:.2f} | top1 [{per_step(m.top1)}] | H(p) {m.entropy_target[0]:.2f} | "

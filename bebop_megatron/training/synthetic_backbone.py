@@ -17,11 +17,12 @@ order and thread count) and runs in a child process (``python -m
 bebop_megatron.training.synthetic_backbone CONFIG.yaml OUT``) so that it never touches the
 run's process groups; the other ranks wait for rank 0's outcome. A damaged entry (a truncated
 file) is rebuilt; a cache that cannot be written (read-only, full) is one :class:`CacheError`
-line naming it, and an interrupted fit leaves no ``<key>.tmp<PID>`` behind.
+line naming it, and an interrupted fit (Ctrl-C, SIGTERM, SIGHUP) leaves no ``<key>.tmp<PID>`` behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import errno
@@ -30,8 +31,10 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 FIT_VERSION = 1
@@ -171,9 +174,30 @@ def run_fit(cfg, path: str, log=print) -> dict:
     """Fit in a child process (one CPU process at TP=1) into ``path``; returns its ``fit.json``."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        return _fit_into(cfg, path, tmp, log)
-    finally:  # a failed or interrupted (Ctrl-C) fit leaves nothing; after the rename tmp is gone
+        with _stopping_signals_raise():
+            return _fit_into(cfg, path, tmp, log)
+    finally:  # a failed or interrupted (Ctrl-C, SIGTERM) fit leaves nothing; after the rename tmp is gone
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _stopping_signals_raise():
+    """SIGTERM / SIGHUP (``timeout``, ``scancel``, a closed terminal) stop the fit as Ctrl-C does,
+    with ``SystemExit(128 + signal)``: the default action killed the process before its
+    ``finally`` removed ``<key>.tmp<PID>`` (the child is killed by ``subprocess.run``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 def _fit_into(cfg, path: str, tmp: str, log) -> dict:

@@ -330,6 +330,7 @@ class Trainer:
         tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
         data = self.batches()
         start = time.perf_counter()
+        self._loop_start_step = self.step  # the ETA divides this process's time by its own steps
         if self.step >= cfg.train.steps:
             self.log(f"already at step {self.step} of train.steps={cfg.train.steps}: nothing to train")
             return history
@@ -381,7 +382,7 @@ class Trainer:
 
     def format(self, m: StepMetrics, elapsed: float) -> str:
         return step_line(m, elapsed, steps=self.cfg.train.steps, loss_type=self.cfg.loss.type,
-                         skipped_total=self.guard.total)
+                         skipped_total=self.guard.total, start_step=getattr(self, "_loop_start_step", 0))
 
     def format_eval(self, m: StepMetrics, seconds: float) -> str:
         return eval_line(m, seconds, loss_type=self.cfg.loss.type)

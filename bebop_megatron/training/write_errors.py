@@ -81,7 +81,8 @@ def raise_agreed_write_error(failure: BaseException | None, where: str) -> None:
     :class:`CheckpointWriteError` line (a filesystem error where one is known; rank 0 removes
     the partial ``.tmp``). A failure that is no write failure (not torch's
     ``CheckpointException``) is re-raised where it happened."""
-    mine = None if failure is None else (write_problem(failure, where) or "")
+    # failed_writes: also rank 0's own writes, recorded (not raised) under deferred_coordinator_errors
+    mine = None if failure is None and not _failed_writes else (write_problem(failure, where) or "")
     problems = [None] * dist.get_world_size()
     dist.all_gather_object(problems, mine)
     if all(p is None for p in problems):

@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from pipeline import REPO, PrepareError, cache_root, log, main_guard, run, torchrun  # noqa: E402
 
-from bebop_megatron.training.precision import cpu_has_native_bf16  # noqa: E402
+from bebop_megatron.training.precision import cpu_bf16_is_fast  # noqa: E402
 
 TEMPERATURES = (1.0, 0.7)
 GAMMA = 3
@@ -231,11 +231,11 @@ def main(argv=None) -> None:
         scale = replace(scale, steps=args.steps)
     if args.init_steps is not None:
         scale = replace(scale, init_steps=args.init_steps)
-    if args.device == "cpu" and scale.precision == "bf16" and cpu_has_native_bf16() is False:
-        log("this CPU has no native bf16 (avx512_bf16/amx_bf16): training in fp32 (bf16 GEMMs crawl here)")
+    if args.device == "cpu" and scale.precision == "bf16" and not cpu_bf16_is_fast():
+        log("bf16 matrix products are measured slow on this CPU: training in fp32 (bf16 GEMMs crawl here)")
         scale = replace(scale, precision="fp32")
     if args.gen_dtype == "auto":
-        args.gen_dtype = "fp32" if args.device == "cpu" and cpu_has_native_bf16() is False else "bf16"
+        args.gen_dtype = "fp32" if args.device == "cpu" and not cpu_bf16_is_fast() else "bf16"
     objectives = [o.strip() for o in args.objectives.split(",") if o.strip()]
     bad = [o for o in objectives if o not in OBJECTIVES]
     if bad:

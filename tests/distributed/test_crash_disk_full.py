@@ -73,3 +73,21 @@ def test_disk_full_in_the_async_writer_is_the_same_line(runs):
     assert not [line for line in stderr1.splitlines() if line.startswith("error:")]
     assert "Traceback" not in stderr0 + stderr1
     assert (ckpt / "latest").read_text() == "iter_0000003" and not list(ckpt.glob("*.tmp"))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_disk_full_in_rank0s_own_metadata_write_exits_74_on_every_rank(tmp_path, async_save):
+    """Issue 36 item 2: the shards fit, then rank 0's ``.metadata`` write (rank 0 alone writes it)
+    fails. Raised there, it skipped the broadcast the other rank waits in: rank 0 died of SIGSEGV
+    and left ``run.lock``. Now every rank exits 74 with the one line naming the file."""
+    ckpt = tmp_path / "ckpt"
+    codes = run_ranks(tmp_path / "meta.jsonl", ["--disk-full-in-metadata", "1", *BASE, f"save.dir={ckpt}",
+                                                "train.steps=2", f"save.async_save={str(async_save).lower()}"],
+                      nproc=2)
+    (_, stderr0), (_, stderr1) = output(tmp_path / "meta.jsonl", 0), output(tmp_path / "meta.jsonl", 1)
+    assert codes == [74, 74], stderr0[-3000:] + stderr1[-3000:]
+    errors = [line for line in stderr0.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: no space left on device while writing {ckpt / 'iter_0000001.tmp' / '.metadata'}"]
+    assert not [line for line in stderr1.splitlines() if line.startswith("error:")]
+    assert "Traceback" not in stderr0 + stderr1
+    assert sorted(p.name for p in ckpt.iterdir()) == []  # no run.lock, no partial iter_0000001.tmp, no latest

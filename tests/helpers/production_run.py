@@ -3,7 +3,7 @@ with optional faults injected (the tests in tests/distributed/test_crash_*.py an
 tests/test_production_*.py).
 
     python tests/helpers/production_run.py --stream FILE [--nan-steps 2,4] [--crash-in-save N]
-        [--disk-full-in-save N] [--save-model PATH] key=value ...
+        [--disk-full-in-save N] [--disk-full-in-metadata N] [--report-exit] [--save-model PATH] key=value ...
 
 Launched directly, one process per rank (RANK / WORLD_SIZE / MASTER_* set by the test, as srun
 would), so that each rank's exit status and signals are the test's to see. Every rank writes
@@ -32,10 +32,23 @@ def main() -> None:
     parser.add_argument("--crash-in-save", type=int, default=0, help="SIGKILL every rank inside the N-th save")
     parser.add_argument("--disk-full-in-save", type=int, default=0,
                         help="the N-th save's shard writes fail with ENOSPC on rank 0 (a full disk)")
+    parser.add_argument("--disk-full-in-metadata", type=int, default=0,
+                        help="the N-th save's .metadata write (rank 0 alone writes it) fails with ENOSPC")
+    parser.add_argument("--report-exit", action="store_true",
+                        help="print at interpreter exit (after the trainer's own exit handlers) whether the "
+                             "process group is still alive")
     parser.add_argument("--save-model", default=None)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     cfg = load_config(overrides=args.overrides)
+    if args.report_exit:  # registered first, so it runs after every handler registered later
+        import atexit
+        import sys
+
+        import torch.distributed as dist
+
+        atexit.register(lambda: print(f"at exit: process group {'alive' if dist.is_initialized() else 'destroyed'}",
+                                      file=sys.stderr, flush=True))
 
     from bebop_megatron.training import checkpoint as ckpt
     from bebop_megatron.training import model_weights
@@ -92,6 +105,25 @@ def main() -> None:
 
         ckpt.dist_checkpointing.save = counting_save
         filesystem_async._write_item = full_disk_write
+
+    if args.disk_full_in_metadata:  # the shards fitted, the file rank 0 writes after them did not
+        import errno
+
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        real_save, real_finish, saves = ckpt.dist_checkpointing.save, FileSystemWriter.finish, []
+
+        def counting_save(state, directory, *a, **k):
+            saves.append(directory)
+            return real_save(state, directory, *a, **k)
+
+        def full_disk_finish(self, *a, **k):
+            if len(saves) == args.disk_full_in_metadata:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what write() raises: no file name
+            return real_finish(self, *a, **k)
+
+        ckpt.dist_checkpointing.save = counting_save
+        FileSystemWriter.finish = full_disk_finish
 
     real_step = trainer.train_step
     mtp = [p for p in trainer.model.parameters() if p.requires_grad]
