@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import _free_port
-
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "slurm" / "train_tv.sbatch"
 
@@ -141,8 +139,7 @@ def test_rank0_reports_an_error_that_another_rank_raised_first(tmp_path):
     3 s late here; its line comes once, and torchrun's first failure is rank 0's status 2."""
     torchrun = Path(sys.executable).parent / "torchrun"
     proc = subprocess.run(
-        [str(torchrun), "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{_free_port()}",
-         "tests/helpers/late_rank0.py", "--config", "examples/configs/tiny_cpu.yaml", "train.stepz=3"],
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", "tests/helpers/late_rank0.py", "--config", "examples/configs/tiny_cpu.yaml", "train.stepz=3"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
         timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]

@@ -7,7 +7,7 @@ state, spool, pid and log file under the directory. The clients find the cluster
 ``SLURM_CONF`` (:attr:`SlurmCluster.env`). The daemons run in the foreground as children of
 the test process and are stopped by pid (:meth:`SlurmCluster.stop`). By hand, the same:
 
-    python -m tests.helpers.slurm_cluster /tmp/slurm   # prints the SLURM_CONF line, Ctrl-C stops it
+    .venv/bin/python -m tests.helpers.slurm_cluster /tmp/slurm   # prints the SLURM_CONF line; Ctrl-C stops it
 
 Settings that keep the tests short: ``cred_expire=5`` (a requeued job may start again after
 6 s instead of 121 s), ``sched_interval=1`` (the scheduler looks at pending jobs every second
@@ -215,11 +215,17 @@ class SlurmCluster:
             time.sleep(0.2)
 
 
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
     import sys
 
+    signal.signal(signal.SIGTERM, _interrupt)
     cluster = SlurmCluster(Path(sys.argv[1]).resolve()).start()
-    print(f"export SLURM_CONF={cluster.conf}   # one node: {cluster.node}; Ctrl-C stops the daemons", flush=True)
+    print(f"export SLURM_CONF={cluster.conf}   # one node: {cluster.node}; Ctrl-C (or kill {os.getpid()}) stops "
+          "the daemons", flush=True)
     try:
         signal.pause()
     except KeyboardInterrupt:
