@@ -53,24 +53,35 @@ def submit(cluster, tmp: Path, *overrides: str) -> int:
 
 def losses(tmp: Path) -> list[tuple[int, float]]:
     path = tmp / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    rows = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]  # complete lines
     return [(row["step"], row["train/loss"]) for row in rows]
 
 
 def wait_for_step(cluster, job_id: int, tmp: Path, step: int) -> None:
-    deadline = time.monotonic() + JOB_TIMEOUT
+    """Until rank 0 has logged ``step`` (the metrics file every 0.1 s, the job's state every second)."""
+    deadline, polls = time.monotonic() + JOB_TIMEOUT, 0
     while not any(s >= step for s, _ in losses(tmp)):
-        state = cluster.job(job_id)["JobState"]
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job_id} {state} before step {step}: " \
-            f"{console(tmp, job_id)[-3000:]}"
+        if polls % 10 == 0:
+            state = cluster.job(job_id)["JobState"]
+            assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job_id} {state} before step {step}: " \
+                f"{console(tmp, job_id)[-3000:]}"
         assert time.monotonic() < deadline, f"step {step} not reached in {JOB_TIMEOUT}s"
+        polls += 1
         time.sleep(0.1)
 
 
-def finished(cluster, job_id: int, state: str) -> dict:
-    """Wait until the job has left the queue in ``state``; its ``scontrol show job`` fields."""
-    return cluster.wait_job(job_id, lambda f: f["JobState"] == state and str(job_id) not in cluster.squeue(),
-                            JOB_TIMEOUT, state)
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def finished(cluster, job_id: int) -> dict:
+    """Wait until the job has ended and left the queue; its ``scontrol show job`` fields."""
+    return cluster.wait_job(job_id, lambda f: f["JobState"] in ENDED and str(job_id) not in cluster.squeue(),
+                            JOB_TIMEOUT, "the end")
+
+
+def outcome(fields: dict) -> tuple[str, str, str]:
+    return fields["JobState"], fields["ExitCode"], fields["Restarts"]
 
 
 def console(tmp: Path, job_id: int) -> str:
@@ -86,13 +97,13 @@ def checkpoints(tmp: Path) -> tuple[str, list[str]]:
 def uninterrupted(slurm_cluster, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uninterrupted")
     job_id = submit(slurm_cluster, tmp)
-    return tmp, job_id, finished(slurm_cluster, job_id, "COMPLETED")
+    return tmp, job_id, finished(slurm_cluster, job_id)
 
 
 def test_a_job_runs_to_completion(uninterrupted):
     tmp, job_id, fields = uninterrupted
     out = console(tmp, job_id)
-    assert (fields["ExitCode"], fields["Restarts"]) == ("0:0", "0"), out[-3000:]
+    assert outcome(fields) == ("COMPLETED", "0:0", "0"), out[-3000:]
     assert out.startswith(f"job {job_id} (restart 0): 1 nodes x 2 GPUs, rendezvous ")
     assert f"checkpoints {tmp / 'ckpt'}\n" in out
     assert f"step    {STEPS}/{STEPS} | " in out and "requeueing" not in out
@@ -105,9 +116,9 @@ def test_usr1_checkpoints_requeues_and_resumes_with_the_uninterrupted_losses(slu
     job_id = submit(slurm_cluster, tmp_path)
     wait_for_step(slurm_cluster, job_id, tmp_path, 2)
     assert slurm_cluster.run("scancel", "--signal=USR1", "--batch", str(job_id)).returncode == 0
-    fields = finished(slurm_cluster, job_id, "COMPLETED")
+    fields = finished(slurm_cluster, job_id)
     out = console(tmp_path, job_id)
-    assert (fields["ExitCode"], fields["Restarts"]) == ("0:0", "1"), out[-3000:]
+    assert outcome(fields) == ("COMPLETED", "0:0", "1"), out[-3000:]
 
     ckpt = tmp_path / "ckpt"
     stopped = re.search(rf"^SIGUSR1: checkpoint {ckpt}/iter_(\d+) at step (\d+); exiting with 75 so that the "
@@ -132,10 +143,10 @@ def test_scancel_checkpoints_and_is_not_requeued(slurm_cluster, tmp_path):
     job_id = submit(slurm_cluster, tmp_path)
     wait_for_step(slurm_cluster, job_id, tmp_path, 2)
     assert slurm_cluster.run("scancel", str(job_id)).returncode == 0
-    fields = finished(slurm_cluster, job_id, "CANCELLED")
+    fields = finished(slurm_cluster, job_id)
     out = console(tmp_path, job_id)
     # the script exits with srun's status: torchrun reports the ranks' 75 as 1
-    assert (fields["ExitCode"], fields["Restarts"]) == ("1:0", "0"), out[-3000:]
+    assert outcome(fields) == ("CANCELLED", "1:0", "0"), out[-3000:]
     ckpt = tmp_path / "ckpt"
     stopped = re.search(rf"^SIGTERM: checkpoint {ckpt}/iter_(\d+) at step (\d+); exiting with 75", out, re.M)
     assert stopped, out[-3000:]
@@ -150,9 +161,9 @@ def test_scancel_checkpoints_and_is_not_requeued(slurm_cluster, tmp_path):
 
 def test_a_config_error_is_one_line_and_not_requeued(slurm_cluster, tmp_path):
     job_id = submit(slurm_cluster, tmp_path, "train.stepz=3")
-    fields = finished(slurm_cluster, job_id, "FAILED")
+    fields = finished(slurm_cluster, job_id)
     out = console(tmp_path, job_id)
-    assert (fields["ExitCode"], fields["Restarts"]) == ("1:0", "0"), out[-3000:]
+    assert outcome(fields) == ("FAILED", "1:0", "0"), out[-3000:]
     with pytest.raises(ValueError) as err:  # what the config check says, without Slurm
         load_config(str(REPO / CONFIG), ["train.stepz=3"])
     assert str(err.value).startswith("unknown config key 'train.stepz'")
