@@ -147,3 +147,11 @@ def test_rank0_reports_an_error_that_another_rank_raised_first(tmp_path):
     assert errors == ["error: unknown config key 'train.stepz' (did you mean 'train.steps'?)"], proc.stderr[-3000:]
     root_cause = proc.stderr.split("Root Cause")[1]
     assert "rank      : 0 (local_rank: 0)" in root_cause and "exitcode  : 2 " in root_cause, root_cause
+
+
+def test_outside_torchrun_a_failing_rank_does_not_wait(monkeypatch):
+    from bebop_megatron import launcher
+
+    monkeypatch.setattr(launcher, "_watched", None)  # watch_launcher found no torchrun
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: pytest.fail(f"slept {s} s"))
+    launcher.leave_report_to_rank0()
