@@ -38,6 +38,7 @@ TINY = [
     f"train.steps={STEPS}", f"save.interval={SAVE_INTERVAL}",
 ]
 JOB_TIMEOUT = 180
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
 def submit(cluster, tmp: Path, *overrides: str) -> int:
@@ -74,9 +75,6 @@ def wait_until(cluster, job_id: int, tmp: Path, ready, what: str) -> None:
 def wait_for_step(cluster, job_id: int, tmp: Path, step: int) -> None:
     """Until rank 0 has logged ``step``."""
     wait_until(cluster, job_id, tmp, lambda: any(s >= step for s, _ in losses(tmp)), f"step {step}")
-
-
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
 def finished(cluster, job_id: int) -> dict:

@@ -98,13 +98,15 @@ class SlurmCluster:
     def slurm_conf(self, munge_socket: str) -> str:
         hw = node_hardware()
         r = self.root
+        ctld_port = _free_port()
+        slurmd_port = next(p for p in iter(_free_port, None) if p != ctld_port)
         return "\n".join([
             "ClusterName=bebop-test",
             f"SlurmctldHost={self.node}(127.0.0.1)",
             "SlurmUser=root",
             "SlurmdUser=root",
-            f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}",
+            f"SlurmctldPort={ctld_port}",
+            f"SlurmdPort={slurmd_port}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
             f"AuthInfo=socket={munge_socket},cred_expire=5",
