@@ -10,7 +10,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from bebop_megatron.config import Config, load_config, parallel_sizes
-from bebop_megatron.launcher import watch_launcher
+from bebop_megatron.launcher import leave_report_to_rank0, watch_launcher
 
 
 def parse_config(argv: list[str], description: str, defaults: Optional[dict[str, Any]] = None) -> Config:
@@ -51,7 +51,9 @@ def _close_distributed_at_exit() -> None:
 
 def _report(err: BaseException, exit_code: int) -> None:
     """``error: ...`` on stderr: rank 0 prints every error, another rank the ones only it may have
-    raised, with its rank (``error: [rank 3] ...``); then exit with ``exit_code``."""
+    raised, with its rank (``error: [rank 3] ...``); then exit with ``exit_code`` (under torchrun,
+    another rank leaves rank 0 the time to print the errors it reports:
+    :func:`bebop_megatron.launcher.leave_report_to_rank0`)."""
     rank = int(os.environ.get("RANK", "0"))
     if _same_on_every_rank(err):
         _close_distributed_at_exit()
@@ -59,6 +61,8 @@ def _report(err: BaseException, exit_code: int) -> None:
         print(f"error: {err}", file=sys.stderr, flush=True)
     elif not _same_on_every_rank(err):
         print(f"error: [rank {rank}] {err}", file=sys.stderr, flush=True)
+    else:
+        leave_report_to_rank0()  # under torchrun: until rank 0 has printed it
     sys.exit(exit_code)
 
 

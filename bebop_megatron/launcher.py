@@ -9,6 +9,7 @@ the next step and stops as on preemption, saying that the launcher is gone (:fun
 other entry point ends at once. A rank still alive
 ``grace_s`` later (e.g. blocked in a collective with a rank that is already gone) is ended
 with ``os._exit``. Stdlib only: the entry points call it before the heavy imports.
+:func:`leave_report_to_rank0` keeps a failing rank alive until rank 0 has reported the error.
 
 :func:`shield_helper` starts a rank's helper process (the manager that relays the async
 checkpoint writer's results): srun, scancel and torchrun signal every process of the job, and
@@ -26,6 +27,7 @@ import time
 
 LAUNCHER_GONE_EXIT_CODE = 1
 GRACE_S = 60.0
+REPORT_GRACE_S = 10.0
 _watched: int | None = None  # the launcher's pid, once watch_launcher runs
 
 
@@ -59,6 +61,21 @@ def _watch(launcher_pid: int, poll_s: float, grace_s: float) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
     os._exit(LAUNCHER_GONE_EXIT_CODE)
+
+
+def leave_report_to_rank0(grace_s: float = REPORT_GRACE_S) -> None:
+    """Before a rank other than 0 exits with an error that rank 0 reports (one every rank raises
+    alike, e.g. a config error): under torchrun, wait up to ``grace_s`` for rank 0 to print it.
+
+    torchrun stops every other rank (SIGTERM) as soon as one exits with an error, and srun
+    (``--kill-on-bad-exit``) every other node: a rank that got there first would cut rank 0 off
+    before its ``error:`` line, leaving a job's output without it. Rank 0's exit ends the wait
+    (torchrun's SIGTERM gets its default action back here). Elsewhere it returns at once."""
+    if _watched is None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    time.sleep(grace_s)
 
 
 HELPER_IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)

@@ -27,6 +27,7 @@ SLOW_FILES = {
     "test_gpu_script.py",
     "test_grad_norm_once.py", "test_kernel_triton.py", "test_lr_logged.py", "test_mtp_chain.py", "test_mtp_init.py",
     "test_production_guard.py", "test_production_resume.py", "test_production_slurm.py",
+    "test_production_slurm_real.py",
     "test_real_model_prompts.py", "test_speculative_generate.py", "test_synthetic_backbone.py",
     "test_trainer_data.py", "test_training_signal.py",
 }
@@ -45,11 +46,18 @@ SLOW_TESTS = {
 LONG_QUICK_FILES = {"test_speculative.py", "test_config.py", "test_attention_sdpa.py", "test_losses.py"}
 
 
+# Slow files whose time is mostly spent waiting (on Slurm's scheduler and its requeue delay, not on
+# this worker's CPU): handed out before everything else.
+FIRST_FILES = {"test_production_slurm_real.py"}
+
+
 def _slow_first(item) -> int:
-    """0 for tests/distributed/, 1 for SLOW_FILES, 2 for LONG_QUICK_FILES, 3 for the rest: the order
-    files are handed to the xdist workers (``--no-loadscope-reorder`` in pytest.ini keeps it), so that
-    the minutes-long files start first and the many short ones fill the gaps at the end, instead of a
-    long file starting last while the other worker idles."""
+    """-1 for FIRST_FILES, 0 for tests/distributed/, 1 for SLOW_FILES, 2 for LONG_QUICK_FILES, 3 for
+    the rest: the order files are handed to the xdist workers (``--no-loadscope-reorder`` in pytest.ini
+    keeps it), so that the minutes-long files start first and the many short ones fill the gaps at the
+    end, instead of a long file starting last while the other worker idles."""
+    if item.path.name in FIRST_FILES:
+        return -1
     if item.path.parent.name == "distributed":
         return 0
     return 1 if item.path.name in SLOW_FILES else 2 if item.path.name in LONG_QUICK_FILES else 3
@@ -92,3 +100,17 @@ def synthetic_cache(tmp_path_factory):
         else:
             os.environ["BEBOP_MEGATRON_CACHE"] = saved
     return cache, path
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A one-node Slurm of this host (``tests/helpers/slurm_cluster.py``), started once per worker
+    that needs it and stopped at its end; skipped in one line without Slurm and munge, or root."""
+    from tests.helpers.slurm_cluster import SlurmCluster, missing
+
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()

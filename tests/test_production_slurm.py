@@ -1,10 +1,11 @@
-"""slurm/train_tv.sbatch: syntax, and a dry run under a fake 2-node Slurm environment.
+"""slurm/train_tv.sbatch: syntax, and what a one-node Slurm cannot show, under a fake 2-node one.
 
 Fake ``srun``, ``scontrol`` and ``torchrun`` on PATH record their command lines: srun prints
 its own line and runs its task once per node (as ``srun --ntasks-per-node=1`` would), the fake
-torchrun prints what each node would start. Preemption is simulated by a fake srun that sends
-the batch script the signal Slurm sends (USR1 before the time limit) and waits for the
-forwarded one, the way torchrun passes it to the ranks.
+torchrun prints what each node would start. Also: a container image's options, the requeue on a
+status 75 passed through (torchrun reports it as 1), and under a real torchrun, rank 0's error
+line when another rank fails first. Submission, USR1, TERM and a failing run under a real
+Slurm: tests/test_production_slurm_real.py.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,15 +34,6 @@ case ${FAKE_SRUN_MODE:-run} in
             i=$((i + 1))
         done ;;
     exit75) exit 75 ;;
-    fail) exit 1 ;;
-    preempt | cancel)
-        # Slurm signals the batch shell (USR1 before the time limit, TERM on scancel); srun
-        # must receive the forwarded signal and then exit 1 (torchrun reports the ranks' 75 as 1).
-        trap 'echo "srun got USR1"; exit 1' USR1
-        trap 'echo "srun got TERM"; exit 1' TERM
-        if [[ $FAKE_SRUN_MODE == preempt ]]; then kill -USR1 "$PPID"; else kill -TERM "$PPID"; fi
-        for _ in $(seq 100); do sleep 0.1; done
-        echo "srun: no signal forwarded"; exit 3 ;;
 esac
 """
 
@@ -54,7 +47,7 @@ fi
 """
 
 FAKE_TORCHRUN = r"""#!/bin/bash
-echo "[$SLURMD_NODENAME] torchrun $* (signals: $TORCHELASTIC_SIGNALS_TO_HANDLE)"
+echo "[$SLURMD_NODENAME] torchrun $* (signals: $PET_SIGNALS_TO_HANDLE)"
 """
 
 
@@ -131,16 +124,34 @@ def test_missing_config_argument_is_an_error(fake_slurm):
     assert proc.returncode != 0 and "usage: sbatch slurm/train_tv.sbatch CONFIG.yaml" in proc.stderr
 
 
-@pytest.mark.parametrize(
-    "mode, rc, requeued",
-    [("exit75", 75, True), ("preempt", 1, True), ("cancel", 1, False), ("fail", 1, False)],
-    ids=["requeue-exit-code", "time-limit-usr1", "scancel-term-is-not-requeued", "crash-is-not-requeued"],
-)
-def test_requeue(fake_slurm, mode, rc, requeued):
+def test_a_launcher_that_passes_75_through_is_requeued(fake_slurm):
+    """The status 75 itself (torchrun reports it as 1): USR1, TERM and failures under a real Slurm
+    are tests/test_production_slurm_real.py's."""
     env, tmp = fake_slurm
-    proc = sbatch(env, "cfg.yaml", FAKE_SRUN_MODE=mode)
-    assert proc.returncode == rc, proc.stdout + proc.stderr
-    log = tmp / "scontrol.log"
-    assert (log.read_text() if log.exists() else "") == ("scontrol requeue 4242\n" if requeued else "")
-    if mode in ("preempt", "cancel"):  # the trap forwarded the signal to srun
-        assert ("srun got USR1" if mode == "preempt" else "srun got TERM") in proc.stdout
+    proc = sbatch(env, "cfg.yaml", FAKE_SRUN_MODE="exit75")
+    assert proc.returncode == 75, proc.stdout + proc.stderr
+    assert (tmp / "scontrol.log").read_text() == "scontrol requeue 4242\n"
+
+
+def test_rank0_reports_an_error_that_another_rank_raised_first(tmp_path):
+    """torchrun stops every rank once one fails: under sbatch, rank 1 exiting first on a config error
+    cut rank 0 off before its line (bebop_megatron.launcher.leave_report_to_rank0). Rank 0 starts
+    3 s late here; its line comes once, and torchrun's first failure is rank 0's status 2."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", "tests/helpers/late_rank0.py", "--config", "examples/configs/tiny_cpu.yaml", "train.stepz=3"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: unknown config key 'train.stepz' (did you mean 'train.steps'?)"], proc.stderr[-3000:]
+    root_cause = proc.stderr.split("Root Cause")[1]
+    assert "rank      : 0 (local_rank: 0)" in root_cause and "exitcode  : 2 " in root_cause, root_cause
+
+
+def test_outside_torchrun_a_failing_rank_does_not_wait(monkeypatch):
+    from bebop_megatron import launcher
+
+    monkeypatch.setattr(launcher, "_watched", None)  # watch_launcher found no torchrun
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: pytest.fail(f"slept {s} s"))
+    launcher.leave_report_to_rank0()
