@@ -245,67 +245,45 @@ def held_out_dataset(cfg, args, progress: bool):
 def data_sampling(args) -> tuple[float | None, str]:
     """The temperature the held-out text was sampled at from this backbone, and where that is
     known from: ``--sample`` (every temperature), ``--data-temperature``, or every data file's
-    ``<file>.settings.json`` (tools/generate_responses.py; top-p 1 only). ``(None, reason)`` otherwise."""
+    ``<file>.settings.json``. ``(None, reason)`` otherwise."""
+    from bebop_megatron.speculative.onpolicy import recorded_temperature
+
     if args.sample:
         return None, "--sample: continuations sampled from this backbone at each temperature"
     if args.data_temperature is not None:
         return args.data_temperature, f"--data-temperature {args.data_temperature:g}"
     if is_synthetic(args):
         return None, "the synthetic language is not sampled from the backbone (pass --sample)"
-    temps = set()
-    for path in args.data:
-        settings = path + ".settings.json"
-        try:
-            with open(settings, encoding="utf-8") as f:
-                record = json.load(f)
-        except (OSError, ValueError):
-            return None, f"{path} has no readable {os.path.basename(settings)} (pass --data-temperature or --sample)"
-        top_p = record.get("top_p", 1.0) if isinstance(record, dict) else None
-        temp = record.get("temperature") if isinstance(record, dict) else None
-        if not isinstance(temp, (int, float)) or not temp > 0 or top_p not in (None, 1, 1.0):
-            return None, f"{settings}: not sampled at a temperature > 0 with top-p 1 (pass --sample)"
-        temps.add(float(temp))
-    if len(temps) != 1:
-        return None, f"the --data files were sampled at several temperatures {sorted(temps)} (pass --sample)"
-    T = temps.pop()
-    return T, f"the --data files' .settings.json: sampled at T={T:g} (assumed from this checkpoint's backbone)"
+    return recorded_temperature(list(args.data))
 
 
 def sample_on_policy(model, cfg, dataset, num_rows: int, tau: float, args, rank: int, world: int):
-    """``--sample``: continuations of the held-out prompts sampled from the backbone at ``tau``
-    (prompt i on rank i % world, then gathered), as rows to evaluate."""
-    import torch.distributed as dist
-
-    from bebop_megatron.speculative.megatron_model import MegatronSpecModel
-    from bebop_megatron.speculative.onpolicy import SampledRows, held_out_prompts, sample_texts
-
+    """``--sample``: continuations of the held-out prompts (or of ``--sample-prompts``, read as
+    tools/speculative_generate.py reads them) sampled from the backbone at ``tau``, as rows."""
     from bebop_megatron.data.tokenizer import tokenizer_from_dir
+    from bebop_megatron.speculative.megatron_model import MegatronSpecModel
+    from bebop_megatron.speculative.onpolicy import held_out_prompts, sample_rows
     from bebop_megatron.speculative.session import prompt_ids, stop_ids_of
 
     stop_ids = ()
-    if args.sample_prompts:  # exactly as tools/speculative_generate.py
+    if args.sample_prompts:
         from bebop_megatron.data.generate import read_prompts
 
         tokenizer = tokenizer_from_dir(cfg.data.tokenizer)
-        prompts = [prompt_ids(tokenizer, p.messages)
-                   for p in read_prompts(args.sample_prompts, drop_response=True).prompts]
+        lines = read_prompts(args.sample_prompts, drop_response=True).prompts
+        prompts = [prompt_ids(tokenizer, p.messages) for p in lines]
         stop_ids = stop_ids_of(tokenizer)
     else:
         prompts = held_out_prompts(dataset, num_rows)
         if not is_synthetic(args):  # the synthetic language has no end-of-text token
             stop_ids = stop_ids_of(tokenizer_from_dir(cfg.data.tokenizer))
-    spec = MegatronSpecModel(model, cfg.model.vocab_size)
-    mine = list(range(rank, len(prompts), world))
-    texts = sample_texts(spec, prompts, temperature=tau, max_new_tokens=args.max_new_tokens,
-                         seq_length=cfg.train.seq_length, seed=args.seed, stop_ids=stop_ids, indices=mine)
-    if world > 1:
-        parts = [None] * world
-        dist.all_gather_object(parts, texts)
-        texts = [parts[i % world][i // world] for i in range(len(prompts))]
+    rows = sample_rows(MegatronSpecModel(model, cfg.model.vocab_size), prompts, temperature=tau,
+                       max_new_tokens=args.max_new_tokens, seq_length=cfg.train.seq_length, seed=args.seed,
+                       stop_ids=stop_ids, rank=rank, world=world)
     if rank == 0:
-        new = sum(len(t) - p for p, t in texts)
-        print(f"T={tau:g}: sampled {new} tokens after {len(prompts)} held-out prompts from the backbone", flush=True)
-    return SampledRows(texts, cfg.train.seq_length)
+        new = sum(len(t) - p for p, t in rows.texts)
+        print(f"T={tau:g}: sampled {new} tokens after {len(prompts)} prompts from the backbone", flush=True)
+    return rows
 
 
 def cost_model(args, cfg, model, gamma: int, device: str):
@@ -500,7 +478,8 @@ def evaluate(args) -> dict | None:
         "gamma": gamma,
         "layout": {"tensor": cfg.parallel.tensor, "data": dp_size, "device": device},
         "temperatures": [float(t) for t in args.temperatures],
-        "sampled": {"mode": "--sample", "max_new_tokens": args.max_new_tokens, "seed": args.seed} if args.sample else None,
+        "sampled": ({"mode": "--sample", "prompts": args.sample_prompts or "the held-out data's",
+                     "max_new_tokens": args.max_new_tokens, "seed": args.seed} if args.sample else None),
         "reference_temperature": ref,
         "per_temperature": per_t,
         "speedup": speedup,

@@ -28,7 +28,8 @@ def summary_lines(result: dict) -> list[str]:
         sim = e["empirical_accept_len_rs"][-1]
         exact = "decode-exact" if e.get("decode_exact") else "decode-exact forecast (text not sampled from this " \
                                                              "backbone at T: approximate)"
-        lines.append(f"T={tau}: alpha_RS [{rs}] alpha_TO [{to}] | E[L]({result['gamma']}) {exact} RS {_decode(e, 'rs')} "
+        lines.append(f"T={tau}: alpha_RS [{rs}] alpha_TO [{to}] | E[L]({result['gamma']}) {exact} "
+                     f"RS {_decode(e, 'rs')} "
                      f"TO {_decode(e, 'to')}; Eq. 12 over every position RS {e['accept_len_rs'][-1]:.3f} (simulated "
                      f"{'n/a' if sim is None else f'{sim:.3f}'}) TO {e['accept_len_to'][-1]:.3f} | entropy slope RS "
                      f"{_fmt(e['entropy_fit']['rs']['slope'])} TO {_fmt(e['entropy_fit']['to']['slope'])}")

@@ -14,8 +14,12 @@ Legend: S the run's sequence length (a row holds S inputs and S labels: S + 1 to
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from bebop_megatron.speculative.decoding import autoregressive_generate
 
@@ -55,6 +59,42 @@ def sample_texts(spec_model, prompts: list[list[int]], *, temperature: float, ma
     return out
 
 
+def sample_rows(spec_model, prompts: list[list[int]], *, temperature: float, max_new_tokens: int | None,
+                seq_length: int, seed: int, stop_ids=(), rank: int = 0, world: int = 1) -> "SampledRows":
+    """:func:`sample_texts` of every prompt as rows to evaluate; with ``world`` > 1 rank r samples
+    prompts r, r + world, ... and the texts are gathered (every rank returns them all, in order)."""
+    texts = sample_texts(spec_model, prompts, temperature=temperature, max_new_tokens=max_new_tokens,
+                         seq_length=seq_length, seed=seed, stop_ids=stop_ids, indices=range(rank, len(prompts), world))
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, texts)
+        texts = [parts[i % world][i // world] for i in range(len(prompts))]
+    return SampledRows(texts, seq_length)
+
+
+def recorded_temperature(paths: list[str]) -> tuple[float | None, str]:
+    """The temperature every data file's responses were sampled at, from its ``<file>.settings.json``
+    (``tools/generate_responses.py``; full vocabulary, top-p 1, only), and a line saying where it
+    comes from; ``(None, why not)`` when a file has no such record or they differ."""
+    temps = set()
+    for path in paths:
+        settings = path + ".settings.json"
+        try:
+            with open(settings, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return None, f"{path} has no readable {os.path.basename(settings)} (pass --data-temperature or --sample)"
+        record = record if isinstance(record, dict) else {}
+        temp, top_p = record.get("temperature"), record.get("top_p", 1.0)
+        if not isinstance(temp, (int, float)) or not temp > 0 or top_p not in (None, 1, 1.0):
+            return None, f"{settings}: not sampled at a temperature > 0 with top-p 1 (pass --sample)"
+        temps.add(float(temp))
+    if len(temps) != 1:
+        return None, f"the --data files were sampled at several temperatures {sorted(temps)} (pass --sample)"
+    T = temps.pop()
+    return T, f"the --data files' .settings.json: sampled at T={T:g} (assumed from this checkpoint's backbone)"
+
+
 class SampledRows:
     """The sampled texts as one-document rows (:class:`~bebop_megatron.data.batches.RowDataset`):
     the labels of the sampled tokens are trained, the prompt's are not; padding is document -1."""
@@ -78,4 +118,4 @@ class SampledRows:
                 "position_ids": np.arange(S, dtype=np.int64), "segment_ids": segment_ids}
 
 
-__all__ = ["SampledRows", "held_out_prompts", "sample_texts"]
+__all__ = ["SampledRows", "held_out_prompts", "recorded_temperature", "sample_rows", "sample_texts"]

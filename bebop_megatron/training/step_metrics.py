@@ -74,7 +74,8 @@ def reduce_step_metrics(
     decode = {}
     for which in ("rs", "to"):
         ver = rows[f"decode_verifications_{which}"]
-        decode[which] = (rows[f"decode_accepted_{which}"] / ver.clamp(min=1e-30)).tolist() if bool((ver > 0).all()) else []
+        accepted = rows[f"decode_accepted_{which}"]
+        decode[which] = (accepted / ver.clamp(min=1e-30)).tolist() if bool((ver > 0).all()) else []
     return StepMetrics(
         step=step,
         loss=float(report[0] / report[1].clamp(min=1)),
