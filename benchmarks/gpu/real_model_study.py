@@ -44,13 +44,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -105,34 +103,15 @@ def _eval_acceptance_tool():
 
 
 def held_out_rows(trainer, args) -> dict:
-    """Per-position acceptance rows of every held-out row at each temperature (the statistics of
-    ``tools/eval_acceptance.py``, on the trainer's model)."""
-    import torch
-    from megatron.core import parallel_state
+    """Per-position acceptance rows of every held-out row at each temperature (the objective
+    study's :func:`bebop_megatron.study.runs.held_out_rows`, ``tools/eval_acceptance.py``'s
+    statistics on the trainer's model), without the texts and decode-exact sums."""
+    from bebop_megatron.study.runs import ROWS_KEYS
+    from bebop_megatron.study.runs import held_out_rows as rows_of
 
-    from bebop_megatron.data import eval_batches
-    from bebop_megatron.metrics.report import AcceptanceReport
-
-    tool = _eval_acceptance_tool()
-    cfg = trainer.cfg
-    model = trainer.model.module
-    K = cfg.mtp.num_steps
-    report = AcceptanceReport(TEMPERATURES, K, GAMMA, [0.0, math.log(cfg.model.vocab_size)], num_scatter=0,
-                              keep_positions=True)
-    opts = SimpleNamespace(chunk_positions=args.eval_chunk_positions, sim_trials=0)
-    dataset = trainer.valid_dataset
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for micro in eval_batches(dataset, num_rows=len(dataset), global_batch_size=args.micro_batch_size,
-                                  micro_batch_size=args.micro_batch_size, dp_rank=0, dp_size=1):
-            for batch in micro:
-                tool.micro_batch_statistics(model, batch, report, opts, K=K,
-                                            tp_group=parallel_state.get_tensor_model_parallel_group(), sim_budget=0,
-                                            generator=None, device=trainer._comm_device,
-                                            vocab_size=cfg.model.vocab_size)
-    model.train(was_training)
-    return {tau: {k: v.numpy() for k, v in rows.items()} for tau, rows in report.position_rows().items()}
+    rows = rows_of(trainer, _eval_acceptance_tool().micro_batch_statistics, temperatures=TEMPERATURES, gamma=GAMMA,
+                   chunk_positions=args.eval_chunk_positions, micro_batch_size=args.micro_batch_size)
+    return {tau: {k: r[k] for k in ROWS_KEYS} for tau, r in rows.items()}
 
 
 def curve_of(trainer, tokens_per_step: int, start: dict | None) -> list[dict]:
