@@ -160,7 +160,7 @@ def test_study_dry_run_every_stage_and_resume(tmp_path):
     assert runs["existing", "ce", 0]["curve"][0] != runs["fresh", "ce", 0]["curve"][0]
     text = (out / "RESULTS.md").read_text()
     assert "## Condition `fresh`" in text and "## Condition `existing`" in text
-    assert "paired difference against ce" in text and text.count("- fresh: ") == 2  # at the top and in its section
+    assert "paired difference against ce" in text and "E[L]\\(3) decode-exact" in text and text.count("- fresh: ") == 2  # at the top and in its section
     assert "(2 seeds, 768 tokens per run" in text
     csv_text = (out / "results.csv").read_text()
     assert "fresh,e2e_tv,ce,0.7,2,768" in csv_text and "accept_len_decode_rs_g3" in csv_text

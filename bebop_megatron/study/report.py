@@ -85,8 +85,13 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     G = plan.gamma
     taus = [_tau_key(t) for t in plan.temperatures]
+    # the runs' own token counts (a report of runs made with other settings states theirs)
+    run_tokens = sorted({rec["tokens"] for per_obj in found.values() for seeds in per_obj.values()
+                         for rec, _ in seeds.values()}) or [plan.steps * plan.tokens_per_step]
+    tokens = "/".join(f"{t:,}" for t in run_tokens)
+    tokens_csv = run_tokens[0] if len(run_tokens) == 1 else "/".join(str(t) for t in run_tokens)
     lines = [f"# Objective study{': ' + plan.title if plan.title else ''}", "",
-             f"{plan.steps * plan.tokens_per_step:,} training tokens per run, seeds {plan.seeds}, "
+             f"{tokens} training tokens per run, seeds {plan.seeds}, "
              f"device {plan.device} ({plan.precision}); gamma {G}. Values: mean over seeds; 95% intervals: "
              "percentile bootstrap over held-out responses" + (" and seeds" if len(plan.seeds) > 1 else "")
              + f" ({num_boot} resamples; docs/study.md). `E[L] Eq. 12` averages alpha products over every "
@@ -112,7 +117,7 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
                 num_texts = len(per_obj[o][next(iter(per_obj[o]))][1][tau]["decode_rs"])
                 stats[(o, tau)] = paired_bootstrap(list(cols[(o, tau)].values()), None, keys, num_boot)
         size_note = (f"{len(plan.seeds)} seed{'s' if len(plan.seeds) > 1 else ''}, "
-                     f"{plan.steps * plan.tokens_per_step:,} tokens per run, {num_texts} held-out responses")
+                     f"{tokens} tokens per run, {num_texts} held-out responses")
         for tau in taus:
             head = ["objective", "seeds", *[label for _, label in metrics]]
             lines += [f"### T={tau}: held-out acceptance", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -122,7 +127,7 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
                 for k in keys:
                     v = stats[(o, tau)][k]
                     csv_rows.append({"condition": condition, "objective": o, "versus": "", "temperature": tau,
-                                     "seeds": len(per_obj[o]), "tokens_per_run": plan.steps * plan.tokens_per_step,
+                                     "seeds": len(per_obj[o]), "tokens_per_run": tokens_csv,
                                      "heldout_responses": num_texts, "metric": k, "value": v[0], "lo": v[1],
                                      "hi": v[2]})
             lines.append("")
@@ -145,7 +150,7 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
                                  + " |")
                     for k in diff_keys:
                         csv_rows.append({"condition": condition, "objective": o, "versus": ref, "temperature": tau,
-                                         "seeds": len(seeds), "tokens_per_run": plan.steps * plan.tokens_per_step,
+                                         "seeds": len(seeds), "tokens_per_run": tokens_csv,
                                          "heldout_responses": num_texts, "metric": f"diff_{k}", "value": d[k][0],
                                          "lo": d[k][1], "hi": d[k][2]})
                 lines.append("")
@@ -174,7 +179,8 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
         lines.append("No finished run yet.")
     else:
         lines[4:4] = ["Recommendation per condition:", "", *recs, ""]
-    (out / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    # "E[L](3)" would be a Markdown link: escaped in the file (the log keeps it plain).
+    (out / "RESULTS.md").write_text("\n".join(lines).replace("E[L](", "E[L]\\(") + "\n")
     with open(out / "results.csv", "w", newline="") as f:
         fields = ["condition", "objective", "versus", "temperature", "seeds", "tokens_per_run", "heldout_responses",
                   "metric", "value", "lo", "hi"]
