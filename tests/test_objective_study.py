@@ -117,23 +117,65 @@ def _tiny_model(tmp_path):
     return files.make_tiny_model(tmp_path / "hf"), files.make_tiny_prompts(tmp_path / "prompts", 16, 5)
 
 
-def _study(tmp_path, *extra):
+STUDY = ["--max-new-tokens", "24", "--gen-batch-size", "8", "--seq-length", "64", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--tokens", "768", "--curve-points", "2", "--curve-rows", "64",
+         "--eval-chunk-positions", "64", "--loss-chunk-tokens", "512", "--num-boot", "50", "--objectives", "ce,e2e_tv",
+         "--seeds", "0,1", "--conditions", "fresh,existing", "--existing", "ce:256"]
+
+
+def _command(tmp_path):
+    return [sys.executable, str(REPO / "tools" / "objective_study.py"), "--hf-dir", str(tmp_path / "hf"), "--prompts",
+            str(tmp_path / "prompts"), "--work", str(tmp_path / "work"), *STUDY]
+
+
+def _env():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("OUT", None)
-    return forkserver.run([sys.executable, str(REPO / "tools" / "objective_study.py"), "--hf-dir",
-                           str(tmp_path / "hf"), "--prompts", str(tmp_path / "prompts"), "--work",
-                           str(tmp_path / "work"), "--max-new-tokens", "24", "--gen-batch-size", "8",
-                           "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
-                           "--tokens", "768", "--curve-points", "2", "--curve-rows", "64",
-                           "--eval-chunk-positions", "64", "--loss-chunk-tokens", "512", "--num-boot", "50",
-                           "--objectives", "ce,e2e_tv", *extra],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return env
+
+
+def _study_killed_in_a_run(tmp_path):
+    """The study, killed (SIGKILL, its whole process group) as soon as a run after the first two
+    has written a checkpoint and not yet its record: that run's folder."""
+    import signal
+    import subprocess
+    import time
+
+    runs = tmp_path / "work" / "runs"
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(_command(tmp_path), cwd=tmp_path, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.time() + 300
+            while time.time() < deadline and proc.poll() is None:
+                finished = len(list(runs.rglob("record.json"))) if runs.is_dir() else 0
+                found = [p.parent.parent for p in runs.glob("*/*/*/ckpt/latest*")
+                         if not (p.parent.parent / "record.json").exists()] if finished >= 2 else []
+                if found:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    return found[0]
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    raise AssertionError("no run checkpointed before the study ended: " + (tmp_path / "killed.log").read_text()[-3000:])
 
 
 def test_study_dry_run_every_stage_and_resume(tmp_path):
     _tiny_model(tmp_path)
-    proc = _study(tmp_path, "--seeds", "0,1", "--conditions", "fresh,existing", "--existing", "ce:256")
+    # Killed inside a run (after one of its checkpoints), then run again: the finished runs and
+    # stages are skipped, the killed run continues from its checkpoint, the rest run.
+    killed = _study_killed_in_a_run(tmp_path)
+    assert not (killed / "record.json").exists()
+    done_before = {p: p.stat().st_mtime_ns for p in (tmp_path / "work" / "runs").rglob("record.json")}
+    proc = forkserver.run(_command(tmp_path), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"{len(done_before)} finished, {8 - len(done_before)} to run" in proc.stdout
+    assert f"{killed}: continuing a killed run" in proc.stdout
+    assert "import:" not in proc.stdout and "responses (" not in proc.stdout
+    assert all(p.stat().st_mtime_ns == t for p, t in done_before.items())
     work, out = tmp_path / "work", tmp_path / "work" / "report"
     runs = {}
     for cond in ("fresh", "existing"):
@@ -166,18 +208,12 @@ def test_study_dry_run_every_stage_and_resume(tmp_path):
     assert "fresh,e2e_tv,ce,0.7,2,768" in csv_text and "accept_len_decode_rs_g3" in csv_text
     if importlib.util.find_spec("matplotlib"):
         assert (out / "curves_fresh.png").stat().st_size > 0 and (out / "curves_existing.png").stat().st_size > 0
-    assert "[8/8]" in proc.stdout and "ETA" in proc.stdout
+    assert "[8/8]" in proc.stdout and ("ETA" in proc.stdout or len(done_before) == 7)
 
-    # Resume: a run killed before its record (its folder half written) is redone; nothing else is.
-    killed = work / "runs" / "existing" / "e2e_tv" / "seed1"
-    (killed / "record.json").unlink()
-    kept = {p: p.stat().st_mtime_ns for p in work.rglob("record.json")}
-    proc = _study(tmp_path, "--seeds", "0,1", "--conditions", "fresh,existing", "--existing", "ce:256")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "7 finished, 1 to run" in proc.stdout and "import:" not in proc.stdout and "responses (" not in proc.stdout
-    assert all(p.stat().st_mtime_ns == t for p, t in kept.items())
-    again = json.loads((killed / "record.json").read_text())
-    assert again["curve"][0] == runs["existing", "e2e_tv", 1]["curve"][0]
+    killed_record = json.loads((killed / "record.json").read_text())
+    # the killed run's curve: its first point measured before the kill, every held-out pass once
+    assert [p["step"] for p in killed_record["curve"]] == [0, 1, 2, 3]
+    assert not (killed / "ckpt").exists()  # a finished run's checkpoints are removed
 
 
 def test_user_mistakes_are_one_line(tmp_path):

@@ -13,7 +13,8 @@ Conditions:
   with ce for N tokens, saved once in ``WORK/heads/`` and shared by every objective).
 
 Every run's folder is ``WORK/runs/<condition>/<objective>/seed<S>/``; a finished one is skipped,
-so a killed study re-run with the same command continues with the first unfinished run.
+so a killed study re-run with the same command continues with the first unfinished run, from
+that run's last checkpoint (:func:`bebop_megatron.study.runs.train_config`).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def run_study(plan: StudyPlan, batch_statistics) -> dict:
         init = None if fresh else existing_head(plan, seed, batch_statistics)
         cfg = train_config(plan, loss=objective, seed=seed, steps=plan.steps, lr=plan.lr if fresh else plan.ft_lr,
                            data_seed=seed if fresh else seed + 1, init_checkpoint=init,
-                           curve_interval=max(1, plan.steps // plan.curve_points))
+                           curve_interval=max(1, plan.steps // plan.curve_points), folder=folder)
         record = run_one(folder, cfg, batch_statistics, temperatures=plan.temperatures, gamma=plan.gamma,
                          chunk_positions=plan.chunk_positions, verbose=plan.verbose,
                          meta={"condition": condition, "objective": objective, "seed": seed})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -29,9 +30,12 @@ ROWS_KEYS = ("chain", "alpha_rs", "alpha_to", "entropy_target")
 
 
 def train_config(plan, *, loss: str, seed: int, steps: int, lr: float, data_seed: int,
-                 init_checkpoint: Path | None, curve_interval: int):
+                 init_checkpoint: Path | None, curve_interval: int, folder: Path | None = None):
     """The trainer's config of one run. ``plan``: the study's settings (``meg``, the data files,
-    sizes, device and precision, ``overrides``: the user's extra ``KEY=VALUE``)."""
+    sizes, device and precision, ``overrides``: the user's extra ``KEY=VALUE``). With ``folder``
+    the run checkpoints its head at every curve point into ``folder/ckpt`` (MTP weights and
+    optimizer: the backbone stays frozen in the import) and continues from there when it was
+    killed (``train.resume=auto``), and its held-out passes go to ``folder/metrics.jsonl``."""
     from bebop_megatron.config import load_config
 
     overrides = [
@@ -45,8 +49,12 @@ def train_config(plan, *, loss: str, seed: int, steps: int, lr: float, data_seed
         "train.lr_schedule=cosine", f"train.min_lr={lr / 10}", f"train.warmup_fraction={plan.warmup_fraction}",
         f"train.seed={seed}", "train.deterministic=false", f"train.log_interval={max(1, steps // 10)}",
         f"eval.interval={curve_interval}", f"eval.max_samples={plan.curve_rows}",
-        "save.dir=null", "train.resume=none",
     ]
+    if folder is None:
+        overrides += ["save.dir=null", "train.resume=none"]
+    else:
+        overrides += [f"save.dir={folder / 'ckpt'}", f"save.interval={curve_interval}", "save.keep_last=1",
+                      "train.resume=auto", f"logging.metrics_file={folder / 'metrics.jsonl'}"]
     if init_checkpoint is not None:  # backbone and MTP weights: an existing head
         overrides += ["model.backbone_checkpoint=null", f"model.init_checkpoint={init_checkpoint}"]
     else:
@@ -149,6 +157,30 @@ def curve_point(m, tokens: int) -> dict:
             "accept_len_rs": list(m.accept_len_rs), "accept_len_decode_rs": list(m.accept_len_decode_rs)}
 
 
+def curve_of(metrics_file: Path, trainer, tokens_per_step: int, *, K: int) -> list[dict]:
+    """The held-out passes of the run: from ``metrics_file`` when the run wrote one (it survives a
+    kill and a resume; the last line of a step wins), else the trainer's ``eval_history``."""
+    if not metrics_file.is_file():
+        return [curve_point(m, m.step * tokens_per_step) for m in trainer.eval_history]
+    by_step = {}
+    for line in metrics_file.read_text().splitlines():
+        try:
+            values = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if "eval/loss" not in values:
+            continue
+        step = int(values["step"])
+
+        def series(name):
+            return [values[f"eval/{name}_step{k}"] for k in range(1, K + 1) if f"eval/{name}_step{k}" in values]
+
+        by_step[step] = {"tokens": step * tokens_per_step, "step": step, "loss": values["eval/loss"],
+                         "alpha_rs": series("alpha_rs"), "accept_len_rs": series("accept_len_rs"),
+                         "accept_len_decode_rs": series("accept_len_decode_rs")}
+    return [by_step[s] for s in sorted(by_step)]
+
+
 def run_one(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
             save_head: Path | None = None, verbose: bool = False, meta: dict | None = None) -> dict:
     """Train one run, evaluate it, write its folder (``record.json`` last); returns its record."""
@@ -164,7 +196,13 @@ def run_one(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, ch
     trainer = Trainer(cfg, log=(lambda *a, **k: print(*a, **k)) if verbose else (lambda *a, **k: None))
     build_s = time.time() - t0
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
-    start = trainer.evaluate_valid()  # the curve's first point: the head as it starts
+    start_file = folder / "start.json"
+    if start_file.is_file():  # a killed run continues: its head's first point was measured before
+        start = json.loads(start_file.read_text())
+        log(f"{folder}: continuing a killed run from its last checkpoint")
+    else:
+        start = curve_point(trainer.evaluate_valid(), 0)  # the curve's first point: the head as it starts
+        write_json(start_file, start)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t1 = time.time()
@@ -176,16 +214,17 @@ def run_one(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, ch
     eval_s = time.time() - t2
     if save_head is not None:
         save_model_checkpoint(str(save_head), trainer.model)
-    timed = [m.tokens_per_s for m in history[1:]] or [m.tokens_per_s for m in history]
+    timed = [m.tokens_per_s for m in history[1:]] or [m.tokens_per_s for m in history] or [float("nan")]
     record = {
         **(meta or {}), "loss": cfg.loss.type, "steps": cfg.train.steps, "lr": cfg.train.lr,
         "tokens": cfg.train.steps * tokens_per_step, "tokens_per_s": statistics.median(timed),
-        "build_s": build_s, "train_s": train_s, "eval_s": eval_s, "final_train_loss": history[-1].loss,
-        "curve": [curve_point(start, 0)] + [curve_point(m, m.step * tokens_per_step) for m in trainer.eval_history],
+        "build_s": build_s, "train_s": train_s, "eval_s": eval_s, "final_train_loss": history[-1].loss if history else None,
+        "curve": [start] + curve_of(folder / "metrics.jsonl", trainer, tokens_per_step, K=cfg.mtp.num_steps),
         "metrics": {tau: point_metrics(r, gamma) for tau, r in rows.items()},
     }
     save_rows(folder / "rows.npz", rows)
     write_json(folder / "record.json", record)
+    shutil.rmtree(folder / "ckpt", ignore_errors=True)  # finished: its checkpoints are no longer needed
     del trainer
     free_cuda()
     return record
