@@ -208,6 +208,7 @@ def test_study_dry_run_every_stage_and_resume(tmp_path):
     assert "fresh,e2e_tv,ce,0.7,2,768" in csv_text and "accept_len_decode_rs_g3" in csv_text
     if importlib.util.find_spec("matplotlib"):
         assert (out / "curves_fresh.png").stat().st_size > 0 and (out / "curves_existing.png").stat().st_size > 0
+    assert "NaN" not in (out / "summary.json").read_text() and "NaN" not in (killed / "record.json").read_text()
     assert "[8/8]" in proc.stdout and ("ETA" in proc.stdout or len(done_before) == 7)
 
     killed_record = json.loads((killed / "record.json").read_text())
@@ -222,3 +223,20 @@ def test_user_mistakes_are_one_line(tmp_path):
                            "--train-data", "a", "--heldout-data", "b", "--work", str(tmp_path / "w"),
                            "--conditions", "fresh,later"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: unknown condition 'later': choose from fresh, existing"
+
+
+@pytest.mark.parametrize("option, value, line", [
+    ("--curve-points", "0", "--curve-points must be >= 1, got 0"),
+    ("--tokens", "-5", "--tokens must be >= 1, got -5"),
+    ("--lr", "nan", "--lr must be a positive number, got nan"),
+    ("--ranks", "2", "--ranks: only 1 process per run so far"),
+])
+def test_nonsense_values_are_refused_before_any_work(tmp_path, capsys, option, value, line):
+    spec = importlib.util.spec_from_file_location("objective_study_tool", REPO / "tools" / "objective_study.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(SystemExit) as exit_:
+        tool.parse_args(["--megatron", str(tmp_path), "--train-data", "a", "--heldout-data", "b", "--work",
+                         str(tmp_path / "w"), option, value])
+    assert exit_.value.code == 2 and line in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()

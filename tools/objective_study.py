@@ -93,6 +93,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--train-data needs --heldout-data")
     if args.prompts is not None and args.megatron is not None:
         p.error("--prompts needs --model or --hf-dir (the responses are generated with transformers)")
+    for name in ("num_train", "num_heldout", "max_new_tokens", "gen_batch_size", "tokens", "seq_length",
+                 "micro_batch_size", "global_batch_size", "curve_points", "curve_rows", "loss_chunk_tokens",
+                 "eval_chunk_positions", "num_boot", "mtp_num_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("lr", "ft_lr"):
+        if not 0 < getattr(args, name) < float("inf"):
+            p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    if args.gen_budget_s is not None and not args.gen_budget_s > 0:
+        p.error(f"--gen-budget-s must be positive, got {args.gen_budget_s}")
     if args.ranks != 1:
         p.error("--ranks: only 1 process per run so far (use --device cuda for a GPU)")
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")

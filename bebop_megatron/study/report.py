@@ -16,7 +16,7 @@ import numpy as np
 
 from bebop_megatron.study.intervals import paired_bootstrap, text_columns
 from bebop_megatron.study.log import log
-from bebop_megatron.study.runs import is_finished, load_rows, read_record
+from bebop_megatron.study.runs import is_finished, load_rows, read_record, write_json
 
 REFERENCES = ("ce", "kl")
 
@@ -187,7 +187,7 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(csv_rows)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    write_json(out / "summary.json", json.loads(json.dumps(summary, default=str)))
     log(f"report: {out / 'RESULTS.md'}, {out / 'results.csv'}")
     for rec in recs:
         log("recommendation " + rec[2:])

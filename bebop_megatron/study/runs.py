@@ -147,8 +147,11 @@ def load_rows(path: Path) -> dict:
 
 
 def write_json(path: Path, value) -> None:
+    """``value`` as JSON, atomically; a non-finite number (a statistic with nothing to measure) is null."""
+    from bebop_megatron.cli import finite
+
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    tmp.write_text(json.dumps(finite(value), indent=1) + "\n")
     os.replace(tmp, path)
 
 
