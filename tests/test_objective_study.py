@@ -7,7 +7,7 @@
   positions of one response become correlated, while the interval over positions does not;
 - a dry run of the tool on a tiny random Llama (convert_from_hf of a transformers model saved
   in a temporary folder; its own answers to random prompts): every stage, two seeds, the fresh
-  condition and the existing one (a ce head first), the report; then a re-run that skips what
+  condition and the existing one (the fresh ce run's head continued), the report; then a re-run that skips what
   is finished and redoes only a killed run.
 """
 
@@ -120,7 +120,7 @@ def _tiny_model(tmp_path):
 STUDY = ["--max-new-tokens", "24", "--gen-batch-size", "8", "--seq-length", "64", "--micro-batch-size", "2",
          "--global-batch-size", "4", "--tokens", "768", "--curve-points", "2", "--curve-rows", "64",
          "--eval-chunk-positions", "64", "--loss-chunk-tokens", "512", "--num-boot", "50", "--objectives", "ce,e2e_tv",
-         "--seeds", "0,1", "--conditions", "fresh,existing", "--existing", "ce:256"]
+         "--seeds", "0,1", "--conditions", "fresh,existing", "--existing", "ce:768"]
 
 
 def _command(tmp_path):
@@ -198,8 +198,13 @@ def test_study_dry_run_every_stage_and_resume(tmp_path):
         assert runs["fresh", "ce", seed]["curve"][0] == runs["fresh", "e2e_tv", seed]["curve"][0]
         assert runs["existing", "ce", seed]["curve"][0] == runs["existing", "e2e_tv", seed]["curve"][0]
     assert runs["fresh", "ce", 0]["curve"][0] != runs["fresh", "ce", 1]["curve"][0]
-    # the existing condition starts from the seed's ce head, not from a fresh one
-    assert runs["existing", "ce", 0]["curve"][0] != runs["fresh", "ce", 0]["curve"][0]
+    # the existing condition starts from the seed's ce head: with --existing ce:768 (the runs' tokens)
+    # the fresh ce run's own head (its last held-out pass is the existing runs' first), not trained twice
+    for seed in (0, 1):
+        start, ce_end = runs["existing", "ce", seed]["curve"][0], runs["fresh", "ce", seed]["curve"][-1]
+        assert start["alpha_rs"] == pytest.approx(ce_end["alpha_rs"], abs=1e-6)
+        assert start["accept_len_decode_rs"] == pytest.approx(ce_end["accept_len_decode_rs"], abs=1e-6)
+    assert not list(work.glob("heads/*.run"))
     text = (out / "RESULTS.md").read_text()
     assert "## Condition `fresh`" in text and "## Condition `existing`" in text
     assert "paired difference against ce" in text and "E[L]\\(3) decode-exact" in text and text.count("- fresh: ") == 2  # at the top and in its section

@@ -10,7 +10,8 @@ Conditions:
 - ``existing``: a head that exists before the objective's run, continued at ``ft_lr`` with
   another data order (``data.seed`` = seed + 1): ``import`` (the import's own MTP layers,
   ``model.init_checkpoint`` = the import) or ``ce:N`` (per seed, a fresh head first trained
-  with ce for N tokens, saved once in ``WORK/heads/`` and shared by every objective).
+  with ce for N tokens, saved once in ``WORK/heads/`` and shared by every objective; when N
+  gives the runs' steps, the fresh condition's ce run is that head: :func:`shares_fresh_ce`).
 
 Every run's folder is ``WORK/runs/<condition>/<objective>/seed<S>/``; a finished one is skipped,
 so a killed study re-run with the same command continues with the first unfinished run, from
@@ -111,13 +112,28 @@ def planned_runs(plan: StudyPlan) -> list[tuple[str, int, str]]:
     return [(c, s, o) for c in plan.conditions for s in plan.seeds for o in ordered_objectives(plan.objectives)]
 
 
+def head_path(plan: StudyPlan, seed: int) -> Path | None:
+    kind = parse_existing(plan.existing) if "existing" in plan.conditions else None
+    return None if kind in (None, "import") else plan.work / "heads" / f"ce_{kind[1]}_seed{seed}"
+
+
+def shares_fresh_ce(plan: StudyPlan) -> bool:
+    """The ``existing`` condition's ce head is the fresh condition's ce run (same seed, data, order,
+    lr and steps) when ``--existing ce:N`` asks for as many steps as the runs: saved from it, not
+    trained twice."""
+    kind = parse_existing(plan.existing) if "existing" in plan.conditions else None
+    return (isinstance(kind, tuple) and "fresh" in plan.conditions and "ce" in plan.objectives
+            and plan.conditions.index("fresh") < plan.conditions.index("existing")
+            and math.ceil(kind[1] / plan.tokens_per_step) == plan.steps)
+
+
 def existing_head(plan: StudyPlan, seed: int, batch_statistics) -> Path:
     """The ``existing`` condition's start: the import, or the seed's ce head (trained once)."""
     kind = parse_existing(plan.existing)
     if kind == "import":
         return plan.meg
     tokens = kind[1]
-    head = plan.work / "heads" / f"ce_{tokens}_seed{seed}"
+    head = head_path(plan, seed)
     if is_done(head):
         return head
     steps = max(1, math.ceil(tokens / plan.tokens_per_step))
@@ -149,9 +165,12 @@ def run_study(plan: StudyPlan, batch_statistics) -> dict:
         cfg = train_config(plan, loss=objective, seed=seed, steps=plan.steps, lr=plan.lr if fresh else plan.ft_lr,
                            data_seed=seed if fresh else seed + 1, init_checkpoint=init,
                            curve_interval=max(1, plan.steps // plan.curve_points), folder=folder)
+        head = head_path(plan, seed) if fresh and objective == "ce" and shares_fresh_ce(plan) else None
         record = run_one(folder, cfg, batch_statistics, temperatures=plan.temperatures, gamma=plan.gamma,
-                         chunk_positions=plan.chunk_positions, verbose=plan.verbose,
+                         chunk_positions=plan.chunk_positions, verbose=plan.verbose, save_head=head,
                          meta={"condition": condition, "objective": objective, "seed": seed})
+        if head is not None:
+            mark_done(head)
         times.append(time.time() - t0)
         left = len(pending) - i - 1
         m = record["metrics"]["1"]
