@@ -7,8 +7,8 @@
   positions of one response become correlated, while the interval over positions does not;
 - a dry run of the tool on a tiny random Llama (convert_from_hf of a transformers model saved
   in a temporary folder; its own answers to random prompts): every stage, two seeds, the fresh
-  condition and the existing one (the fresh ce run's head continued), the report; then a re-run that skips what
-  is finished and redoes only a killed run.
+  condition and the existing one (the fresh ce run's head continued), the report; then, the study killed inside a run, a re-run
+  that skips what is finished and continues the killed run from its checkpoint.
 """
 
 from __future__ import annotations
