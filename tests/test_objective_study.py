@@ -245,3 +245,20 @@ def test_nonsense_values_are_refused_before_any_work(tmp_path, capsys, option, v
                          str(tmp_path / "w"), option, value])
     assert exit_.value.code == 2 and line in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_finished_runs_of_another_size_are_refused(tmp_path):
+    """A --work holding finished runs of other settings is refused in one line, not silently reused."""
+    from bebop_megatron.study.driver import StudyPlan, run_folder, run_study
+    from bebop_megatron.study.log import StudyError
+
+    plan = StudyPlan(work=tmp_path, out=tmp_path / "out", meg=tmp_path, train_files=[], valid_files=[],
+                     objectives=["ce", "kl"], tokens=4096, seq_length=64, global_batch_size=4)
+    folder = run_folder(plan, "fresh", "kl", 0)
+    folder.mkdir(parents=True)
+    (folder / "record.json").write_text(json.dumps({"tokens": 768, "lr": plan.lr}))
+    (folder / "rows.npz").write_bytes(b"")
+    with pytest.raises(StudyError, match=r"holds a run with \{'tokens': 768, 'lr': 0.001\} but this study asks for "
+                                         r"\{'tokens': 4096, 'lr': 0.001\}"):
+        run_study(plan, batch_statistics=None)
+    assert not run_folder(plan, "fresh", "ce", 0).exists()  # nothing ran

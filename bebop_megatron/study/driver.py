@@ -152,6 +152,15 @@ def run_study(plan: StudyPlan, batch_statistics) -> dict:
     check_plan(plan)
     runs = planned_runs(plan)
     pending = [r for r in runs if not is_finished(run_folder(plan, r[0], r[2], r[1]))]
+    for condition, seed, objective in runs:  # finished runs of another study in the same --work
+        folder = run_folder(plan, condition, objective, seed)
+        if is_finished(folder):
+            record = read_record(folder)
+            want = {"tokens": plan.steps * plan.tokens_per_step, "lr": plan.lr if condition == "fresh" else plan.ft_lr}
+            got = {k: record.get(k) for k in want}
+            if got != want:
+                raise StudyError(f"{folder} holds a run with {got} but this study asks for {want}: give another "
+                                 "--work (or delete that folder)")
     log(f"study: {len(runs)} runs ({', '.join(plan.conditions)} x seeds {plan.seeds} x "
         f"{', '.join(ordered_objectives(plan.objectives))}), {plan.steps} steps x {plan.tokens_per_step:,} tokens = "
         f"{plan.steps * plan.tokens_per_step:,} tokens per run; {len(runs) - len(pending)} finished, "

@@ -202,7 +202,9 @@ def run_one(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, ch
     start_file = folder / "start.json"
     if start_file.is_file():  # a killed run continues: its head's first point was measured before
         start = json.loads(start_file.read_text())
-        log(f"{folder}: continuing a killed run from its last checkpoint")
+        has_ckpt = (folder / "ckpt" / "latest").exists() or any((folder / "ckpt").glob("iter_*"))
+        log(f"{folder}: continuing a killed run " + ("from its last checkpoint" if has_ckpt else
+                                                      "from its start (it had no checkpoint yet)"))
     else:
         start = curve_point(trainer.evaluate_valid(), 0)  # the curve's first point: the head as it starts
         write_json(start_file, start)
