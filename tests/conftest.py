@@ -37,6 +37,7 @@ SLOW_TESTS = {
     "test_analyze_rl_acceptance.py::test_errors", "test_data_errors.py::test_preprocess_cli_",
     "test_data_indexed.py::test_train_on_all_and_mismatches", "test_generate_responses.py::test_cli_subprocess_",
     "test_losses_cold_start.py::test_nla_kinds_run_on_the_triton_kernel", "test_lk_triton.py::test_interpreted",
+    "test_objective_study.py::test_study_dry_run", "test_objective_study.py::test_user_mistakes",
     "test_speculative.py::test_monte_carlo_acceptance_and_output_distribution",
 }
 

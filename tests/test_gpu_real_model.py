@@ -151,3 +151,19 @@ def test_plan_fits_the_time_or_drops_the_last_objectives():
         12, ["ce", "kl", "e2e_tv", "e2e_nla"], ["e2e_lk"])
     with pytest.raises(files.StudyError, match="only 1 steps per run fit"):
         study_tool.fit_objectives(["ce", "kl", "e2e_tv"], left_s=50, **plan)
+
+
+def test_objective_study_runs_the_tool_on_the_carried_model(tmp_path, monkeypatch):
+    """``objective-study``: tools/objective_study.py on the dequantized GGUF and the carried prompts."""
+    args = study_tool.parse_args(["objective-study", "--work", str(tmp_path), "--out", str(tmp_path / "o"),
+                                  "--seeds", "0,1", "--tokens", "5000"])
+    argv = study_tool.objective_study_argv(args, tmp_path / "hf")
+    assert argv == ["--hf-dir", str(tmp_path / "hf"), "--prompts", str(tmp_path / "prompts"), "--work",
+                    str(tmp_path / "objective_study"), "--out", str(tmp_path / "o"), "--device", "cuda", "--title",
+                    files.SPEC.title, "--seeds", "0,1", "--tokens", "5000"]
+    tool = _load("objective_study_tool_args", REPO / "tools" / "objective_study.py")
+    parsed = tool.parse_args(argv)  # the tool accepts it
+    assert parsed.seeds == "0,1" and parsed.tokens == 5000 and parsed.device == "cuda" and parsed.precision == "bf16"
+    # without the reassembled GGUF: one line, before any work
+    with pytest.raises(files.StudyError, match="model.gguf is missing"):
+        study_tool.objective_study(args)

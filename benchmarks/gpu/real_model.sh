@@ -7,6 +7,8 @@
 #                                                     # (--smoke: the study's tiny dry run on the GPU)
 #   benchmarks/gpu/real_model.sh part 2 [STUDY ARGS]  # carry .gpu_carry2: part 2, reassembly, then the study
 #   benchmarks/gpu/real_model.sh study [STUDY ARGS]   # the study alone (it resumes from .gpu_work/)
+#   benchmarks/gpu/real_model.sh objective-study [TOOL ARGS]  # instead: tools/objective_study.py on the
+#                                                     # carried model and prompts (docs/study.md)
 # Results land in $OUT (summary.json, positions_*.npz, study.log); turn them into tables here with
 #   .venv/bin/python benchmarks/gpu/real_model_report.py --from DIR --publish
 set -uo pipefail
@@ -45,6 +47,7 @@ case "$what" in
     fi
     ;;
   study) exec "$py" benchmarks/gpu/real_model_study.py study "$@" ;;
+  objective-study) exec "$py" benchmarks/gpu/real_model_study.py objective-study "$@" ;;
   -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' ;;
-  *) echo "error: unknown command '$what' (part 1|2, study)" >&2; exit 2 ;;
+  *) echo "error: unknown command '$what' (part 1|2, study, objective-study)" >&2; exit 2 ;;
 esac

@@ -18,7 +18,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -29,25 +28,10 @@ import models  # noqa: E402
 
 SPEC = models.SMOLLM2
 CARRY = (REPO / ".gpu_carry1", REPO / ".gpu_carry2")  # what call 1 and call 2 take along (ignored by git)
-STATUS_FILE = ".complete"
-_LOG_FILES: list[Path] = []
-
-
-class StudyError(Exception):
-    """A user-facing failure: one ``error:`` line, exit status 2."""
-
-
-def set_log_file(path: Path) -> None:
-    """Every :func:`log` line also goes to ``path``."""
-    _LOG_FILES[:] = [path]
-
-
-def log(msg: str) -> None:
-    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-    print(line, flush=True)
-    for path in _LOG_FILES:
-        with open(path, "a") as f:
-            f.write(line + "\n")
+sys.path.insert(0, str(REPO))
+# The study's log and one-line error are the package's (tools/objective_study.py uses them too).
+from bebop_megatron.study.log import StudyError, log, set_log_file  # noqa: E402,F401
+from bebop_megatron.study.stages import DONE as STATUS_FILE  # noqa: E402
 
 
 def sha256_of(path: Path) -> str:

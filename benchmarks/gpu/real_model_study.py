@@ -6,6 +6,9 @@
     python3 benchmarks/gpu/real_model_study.py receive --part 1      # call 1: part 1 and the prompts
     python3 benchmarks/gpu/real_model_study.py receive --part 2      # call 2: part 2, reassembled, sha256
     python3 benchmarks/gpu/real_model_study.py study --out $OUT      # the study (same call or the next)
+    # or, instead of ``study``: tools/objective_study.py on the carried model and prompts (seeds,
+    # intervals over responses, the decode-exact E[L]; docs/study.md), its options after these
+    python3 benchmarks/gpu/real_model_study.py objective-study --out $OUT --seeds 0,1,2 --tokens 1000000
     # tiny sizes, a random tiny Llama: every study stage runs (CPU: tests/test_gpu_real_model.py;
     # with --device cuda --precision bf16: the GPU smoke check of call 1)
     python benchmarks/gpu/real_model_study.py study --dry-run [--device cuda --precision bf16] --work DIR --out DIR
@@ -44,13 +47,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import os
 import shutil
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -105,34 +106,15 @@ def _eval_acceptance_tool():
 
 
 def held_out_rows(trainer, args) -> dict:
-    """Per-position acceptance rows of every held-out row at each temperature (the statistics of
-    ``tools/eval_acceptance.py``, on the trainer's model)."""
-    import torch
-    from megatron.core import parallel_state
+    """Per-position acceptance rows of every held-out row at each temperature (the objective
+    study's :func:`bebop_megatron.study.runs.held_out_rows`, ``tools/eval_acceptance.py``'s
+    statistics on the trainer's model), without the texts and decode-exact sums."""
+    from bebop_megatron.study.runs import ROWS_KEYS
+    from bebop_megatron.study.runs import held_out_rows as rows_of
 
-    from bebop_megatron.data import eval_batches
-    from bebop_megatron.metrics.report import AcceptanceReport
-
-    tool = _eval_acceptance_tool()
-    cfg = trainer.cfg
-    model = trainer.model.module
-    K = cfg.mtp.num_steps
-    report = AcceptanceReport(TEMPERATURES, K, GAMMA, [0.0, math.log(cfg.model.vocab_size)], num_scatter=0,
-                              keep_positions=True)
-    opts = SimpleNamespace(chunk_positions=args.eval_chunk_positions, sim_trials=0)
-    dataset = trainer.valid_dataset
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for micro in eval_batches(dataset, num_rows=len(dataset), global_batch_size=args.micro_batch_size,
-                                  micro_batch_size=args.micro_batch_size, dp_rank=0, dp_size=1):
-            for batch in micro:
-                tool.micro_batch_statistics(model, batch, report, opts, K=K,
-                                            tp_group=parallel_state.get_tensor_model_parallel_group(), sim_budget=0,
-                                            generator=None, device=trainer._comm_device,
-                                            vocab_size=cfg.model.vocab_size)
-    model.train(was_training)
-    return {tau: {k: v.numpy() for k, v in rows.items()} for tau, rows in report.position_rows().items()}
+    rows = rows_of(trainer, _eval_acceptance_tool().micro_batch_statistics, temperatures=TEMPERATURES, gamma=GAMMA,
+                   chunk_positions=args.eval_chunk_positions, micro_batch_size=args.micro_batch_size)
+    return {tau: {k: r[k] for k in ROWS_KEYS} for tau, r in rows.items()}
 
 
 def curve_of(trainer, tokens_per_step: int, start: dict | None) -> list[dict]:
@@ -299,6 +281,25 @@ def study(args) -> None:
     log(f"study done in {time.time() - t_start:.0f} s; results in {out}")
 
 
+def objective_study_argv(args, hf: Path) -> list[str]:
+    """The command line of ``tools/objective_study.py`` on the carried model: the dequantized
+    GGUF, the carried prompts, its work folder beside the study's, the report in ``--out``."""
+    work = Path(args.work)
+    return ["--hf-dir", str(hf), "--prompts", str(work / "prompts"), "--work", str(work / "objective_study"),
+            "--out", str(args.out), "--device", args.device, "--title", SPEC.title, *args.tool_args]
+
+
+def objective_study(args) -> None:
+    """The objective study tool on the carried model (its stages resume from ``WORK/objective_study``)."""
+    import importlib.util
+
+    hf = stage_dequantize(Path(args.work))
+    spec = importlib.util.spec_from_file_location("objective_study_tool", REPO / "tools" / "objective_study.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(objective_study_argv(args, hf))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -312,6 +313,12 @@ def parse_args(argv=None):
     r = sub.add_parser("receive", help="GPU machine: take a carried part out of the tree (and reassemble)")
     r.add_argument("--part", type=int, choices=(1, 2), required=True)
     r.add_argument("--work", default=str(DEFAULT_WORK))
+    o = sub.add_parser("objective-study", help="GPU machine: tools/objective_study.py on the carried model and prompts "
+                                               "(seeds, intervals over responses; docs/study.md); the tool's other "
+                                               "options (--objectives, --seeds, --tokens, --conditions, ...) follow")
+    o.add_argument("--work", default=str(DEFAULT_WORK))
+    o.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "gpu" / "out"))
+    o.add_argument("--device", default="cuda")
     s = sub.add_parser("study", help="GPU machine: the study (or --dry-run on the CPU)")
     s.add_argument("--work", default=str(DEFAULT_WORK))
     s.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "gpu" / "out"))
@@ -347,7 +354,11 @@ def parse_args(argv=None):
     s.add_argument("--device", default=None, help="default cuda (cpu with --dry-run)")
     s.add_argument("--seed", type=int, default=1234)
     s.add_argument("--verbose", action="store_true", help="the trainer's own step lines")
-    args = p.parse_args(argv)
+    args, extra = p.parse_known_args(argv)
+    if args.command == "objective-study":
+        args.tool_args = extra  # the tool's own options: it checks them
+    elif extra:
+        p.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "study" and args.dry_run:
         tiny = dict(device=args.device or "cpu", precision=args.precision or "fp32", num_train=24, num_heldout=6,
                     max_new_tokens=24, gen_batch_size=8,
@@ -365,7 +376,8 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        {"carry": carry, "receive": receive, "study": study}[args.command](args)
+        {"carry": carry, "receive": receive, "study": study,
+         "objective-study": objective_study}[args.command](args)
     except (StudyError, models.ModelError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -18,68 +18,17 @@ from __future__ import annotations
 
 import numpy as np
 
+# The per-position statistics live in the package (the objective study uses them too).
+from bebop_megatron.study.intervals import point_metrics  # noqa: F401  (re-exported)
+from bebop_megatron.study.intervals import position_columns as _columns
+from bebop_megatron.study.intervals import weighted_metrics as _weighted
+
 METRIC_ORDER = ("alpha_rs_step", "accept_len_rs", "accept_len_to", "entropy_slope_rs")
 
 
 def temp_suffix(tau: float) -> str:
     """``T1`` for 1.0, ``T0.7`` for 0.7 (metric names: ``accept_len_rs_g3_T1``)."""
     return f"T{tau:g}"
-
-
-def point_metrics(rows: dict, gamma: int) -> dict[str, float]:
-    """The statistics of one set of per-position rows (numpy arrays ``[K, N]``)."""
-    chain = np.asarray(rows["chain"], dtype=bool)
-    out = {}
-    K = chain.shape[0]
-    for name in ("alpha_rs", "alpha_to"):
-        a = np.asarray(rows[name], dtype=np.float64)
-        for k in range(K):
-            m = chain[k]
-            out[f"{name}_step{k + 1}"] = float(a[k, m].mean()) if m.any() else float("nan")
-        full = chain[gamma - 1]
-        accept_len = np.cumsum(np.cumprod(a[:gamma], axis=0), axis=0)[gamma - 1]
-        out[f"accept_len_{name[-2:]}_g{gamma}"] = float(accept_len[full].mean()) if full.any() else float("nan")
-    m = chain[0]
-    h, a1 = np.asarray(rows["entropy_target"], dtype=np.float64)[0, m], np.asarray(rows["alpha_rs"])[0, m]
-    out["entropy_slope_rs"] = float(np.polyfit(h, a1, 1)[0]) if m.sum() >= 2 and np.ptp(h) > 0 else float("nan")
-    out["num_positions"] = int(m.sum())
-    return out
-
-
-def _columns(rows: dict, gamma: int) -> dict:
-    """Per-position vectors from which every statistic of :func:`point_metrics` is a weighted
-    sum: ``name -> (numerator, denominator)`` for the means, and the moments of the slope."""
-    chain = np.asarray(rows["chain"], dtype=bool)
-    cols = {}
-    K = chain.shape[0]
-    for name in ("alpha_rs", "alpha_to"):
-        a = np.asarray(rows[name], dtype=np.float64)
-        for k in range(K):
-            cols[f"{name}_step{k + 1}"] = (np.where(chain[k], a[k], 0.0), chain[k].astype(np.float64))
-        full = chain[gamma - 1]
-        accept_len = np.cumsum(np.cumprod(a[:gamma], axis=0), axis=0)[gamma - 1]
-        cols[f"accept_len_{name[-2:]}_g{gamma}"] = (np.where(full, accept_len, 0.0), full.astype(np.float64))
-    m = chain[0].astype(np.float64)
-    h = np.where(chain[0], np.asarray(rows["entropy_target"], dtype=np.float64)[0], 0.0)
-    y = np.where(chain[0], np.asarray(rows["alpha_rs"], dtype=np.float64)[0], 0.0)
-    cols["_slope"] = np.stack([m, h, y, h * h, h * y])
-    return cols
-
-
-def _weighted(cols: dict, w: np.ndarray) -> dict[str, float]:
-    """The statistics of a resample given as multiplicities ``w`` of the positions."""
-    out = {}
-    for name, value in cols.items():
-        if name == "_slope":
-            n, sx, sy, sxx, sxy = value @ w
-            var = n * sxx - sx * sx
-            out["entropy_slope_rs"] = float((n * sxy - sx * sy) / var) if n >= 2 and var > 1e-12 * max(n * sxx, 1e-300) \
-                else float("nan")
-        else:
-            num, den = value
-            d = den @ w
-            out[name] = float((num @ w) / d) if d > 0 else float("nan")
-    return out
 
 
 def bootstrap(rows: dict, gamma: int, num_boot: int = 1000, seed: int = 0) -> dict[str, tuple[float, float, float]]:

@@ -1,0 +1,9 @@
+"""The objective study (``tools/objective_study.py``): which training objective gives the best
+MTP head on a given model, with intervals that a reviewer accepts.
+
+- :mod:`.intervals`: held-out statistics and their bootstrap intervals over responses and seeds;
+- :mod:`.stages`: the import, the model's own responses, their indexed datasets (resumable);
+- :mod:`.runs`: one run (config, training, held-out rows with the text of every position);
+- :mod:`.driver`: every (condition, seed, objective) run, resumable, with progress and ETA;
+- :mod:`.report`: RESULTS.md, CSV rows, curves per condition, the recommendation line.
+"""

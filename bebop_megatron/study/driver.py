@@ -1,0 +1,192 @@
+"""The objective study: every (condition, seed, objective) run, resumable, then the report.
+
+Order: condition by condition, seed by seed, ``ce`` first among the objectives. Per seed every
+objective starts from the same initialisation (``train.seed``) and reads the same data in the
+same order (``data.seed``): the runs of one seed differ only in their loss.
+
+Conditions:
+
+- ``fresh``: new MTP layers (``mtp.init``'s default) on the imported backbone, ``lr``;
+- ``existing``: a head that exists before the objective's run, continued at ``ft_lr`` with
+  another data order (``data.seed`` = seed + 1): ``import`` (the import's own MTP layers,
+  ``model.init_checkpoint`` = the import) or ``ce:N`` (per seed, a fresh head first trained
+  with ce for N tokens, saved once in ``WORK/heads/`` and shared by every objective; when N
+  gives the runs' steps, the fresh condition's ce run is that head: :func:`shares_fresh_ce`).
+
+Every run's folder is ``WORK/runs/<condition>/<objective>/seed<S>/``; a finished one is skipped,
+so a killed study re-run with the same command continues with the first unfinished run, from
+that run's last checkpoint (:func:`bebop_megatron.study.runs.train_config`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bebop_megatron.study.log import StudyError, log
+from bebop_megatron.study.runs import is_finished, read_record, run_one, train_config
+from bebop_megatron.study.stages import is_done, mark_done
+
+CONDITIONS = ("fresh", "existing")
+TEMPERATURES = (1.0, 0.7)
+GAMMA = 3
+
+
+@dataclass
+class StudyPlan:
+    work: Path
+    out: Path
+    meg: Path
+    train_files: list
+    valid_files: list
+    objectives: list
+    conditions: list = field(default_factory=lambda: ["fresh"])
+    existing: str = "ce:0"  # "import" or "ce:N"
+    seeds: list = field(default_factory=lambda: [0])
+    tokens: int = 40_000
+    lr: float = 1e-3
+    ft_lr: float = 1e-4
+    train_on: str = "response"
+    seq_length: int = 1024
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    warmup_fraction: float = 0.05
+    curve_points: int = 8
+    curve_rows: int = 64
+    loss_chunk_tokens: int = 8192
+    chunk_positions: int = 4096
+    device: str = "cpu"
+    precision: str = "fp32"
+    overrides: list = field(default_factory=list)
+    temperatures: tuple = TEMPERATURES
+    gamma: int = GAMMA
+    verbose: bool = False
+    title: str = ""
+    info: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.seq_length
+
+    @property
+    def steps(self) -> int:
+        return max(1, math.ceil(self.tokens / self.tokens_per_step))
+
+
+def check_plan(plan: StudyPlan) -> None:
+    bad = [c for c in plan.conditions if c not in CONDITIONS]
+    if bad:
+        raise StudyError(f"unknown condition {bad[0]!r}: choose from {', '.join(CONDITIONS)}")
+    if len(set(plan.objectives)) != len(plan.objectives) or not plan.objectives:
+        raise StudyError(f"--objectives must name distinct objectives, got {plan.objectives}")
+    if "existing" in plan.conditions:
+        parse_existing(plan.existing)
+    if len(set(plan.seeds)) != len(plan.seeds) or not plan.seeds:
+        raise StudyError(f"--seeds must be distinct integers, got {plan.seeds}")
+    if plan.tokens < 1:
+        raise StudyError(f"--tokens must be at least 1, got {plan.tokens}")
+
+
+def parse_existing(spec: str):
+    """``"import"`` or ``("ce", N)``."""
+    if spec == "import":
+        return spec
+    kind, _, n = spec.partition(":")
+    if kind == "ce" and n.isdigit() and int(n) > 0:
+        return ("ce", int(n))
+    raise StudyError(f"--existing {spec!r}: 'import' (the import's MTP layers) or 'ce:N' (a head first trained "
+                     "with ce for N tokens)")
+
+
+def run_folder(plan: StudyPlan, condition: str, objective: str, seed: int) -> Path:
+    return plan.work / "runs" / condition / objective / f"seed{seed}"
+
+
+def ordered_objectives(objectives) -> list:
+    return sorted(objectives, key=lambda o: (o != "ce", objectives.index(o)))
+
+
+def planned_runs(plan: StudyPlan) -> list[tuple[str, int, str]]:
+    return [(c, s, o) for c in plan.conditions for s in plan.seeds for o in ordered_objectives(plan.objectives)]
+
+
+def head_path(plan: StudyPlan, seed: int) -> Path | None:
+    kind = parse_existing(plan.existing) if "existing" in plan.conditions else None
+    return None if kind in (None, "import") else plan.work / "heads" / f"ce_{kind[1]}_seed{seed}"
+
+
+def shares_fresh_ce(plan: StudyPlan) -> bool:
+    """The ``existing`` condition's ce head is the fresh condition's ce run (same seed, data, order,
+    lr and steps) when ``--existing ce:N`` asks for as many steps as the runs: saved from it, not
+    trained twice."""
+    kind = parse_existing(plan.existing) if "existing" in plan.conditions else None
+    return (isinstance(kind, tuple) and "fresh" in plan.conditions and "ce" in plan.objectives
+            and plan.conditions.index("fresh") < plan.conditions.index("existing")
+            and math.ceil(kind[1] / plan.tokens_per_step) == plan.steps)
+
+
+def existing_head(plan: StudyPlan, seed: int, batch_statistics) -> Path:
+    """The ``existing`` condition's start: the import, or the seed's ce head (trained once)."""
+    kind = parse_existing(plan.existing)
+    if kind == "import":
+        return plan.meg
+    tokens = kind[1]
+    head = head_path(plan, seed)
+    if is_done(head):
+        return head
+    steps = max(1, math.ceil(tokens / plan.tokens_per_step))
+    log(f"existing head (seed {seed}): ce for {steps * plan.tokens_per_step:,} tokens")
+    cfg = train_config(plan, loss="ce", seed=seed, steps=steps, lr=plan.lr, data_seed=seed, init_checkpoint=None,
+                       curve_interval=0)
+    run_one(plan.work / "heads" / f"ce_{tokens}_seed{seed}.run", cfg, batch_statistics,
+            temperatures=plan.temperatures, gamma=plan.gamma, chunk_positions=plan.chunk_positions, save_head=head,
+            verbose=plan.verbose, meta={"condition": "head", "objective": "ce", "seed": seed})
+    mark_done(head)
+    return head
+
+
+def run_study(plan: StudyPlan, batch_statistics) -> dict:
+    """Every planned run not yet finished, with progress and ETA; returns ``{(c, seed, objective): record}``."""
+    check_plan(plan)
+    runs = planned_runs(plan)
+    pending = [r for r in runs if not is_finished(run_folder(plan, r[0], r[2], r[1]))]
+    for condition, seed, objective in runs:  # finished runs of another study in the same --work
+        folder = run_folder(plan, condition, objective, seed)
+        if is_finished(folder):
+            record = read_record(folder)
+            want = {"tokens": plan.steps * plan.tokens_per_step, "lr": plan.lr if condition == "fresh" else plan.ft_lr}
+            got = {k: record.get(k) for k in want}
+            if got != want:
+                raise StudyError(f"{folder} holds a run with {got} but this study asks for {want}: give another "
+                                 "--work (or delete that folder)")
+    log(f"study: {len(runs)} runs ({', '.join(plan.conditions)} x seeds {plan.seeds} x "
+        f"{', '.join(ordered_objectives(plan.objectives))}), {plan.steps} steps x {plan.tokens_per_step:,} tokens = "
+        f"{plan.steps * plan.tokens_per_step:,} tokens per run; {len(runs) - len(pending)} finished, "
+        f"{len(pending)} to run")
+    times: list[float] = []
+    for i, (condition, seed, objective) in enumerate(pending):
+        folder = run_folder(plan, condition, objective, seed)
+        t0 = time.time()
+        fresh = condition == "fresh"
+        init = None if fresh else existing_head(plan, seed, batch_statistics)
+        cfg = train_config(plan, loss=objective, seed=seed, steps=plan.steps, lr=plan.lr if fresh else plan.ft_lr,
+                           data_seed=seed if fresh else seed + 1, init_checkpoint=init,
+                           curve_interval=max(1, plan.steps // plan.curve_points), folder=folder)
+        head = head_path(plan, seed) if fresh and objective == "ce" and shares_fresh_ce(plan) else None
+        record = run_one(folder, cfg, batch_statistics, temperatures=plan.temperatures, gamma=plan.gamma,
+                         chunk_positions=plan.chunk_positions, verbose=plan.verbose, save_head=head,
+                         meta={"condition": condition, "objective": objective, "seed": seed})
+        if head is not None:
+            mark_done(head)
+        times.append(time.time() - t0)
+        left = len(pending) - i - 1
+        m = record["metrics"]["1"]
+        curve_end = record["curve"][-1].get("accept_len_decode_rs") or [float("nan")]
+        log(f"[{len(runs) - left}/{len(runs)}] {condition}/{objective}/seed{seed}: {record['tokens']:,} tokens in "
+            f"{record['train_s']:.0f} s ({record['tokens_per_s']:,.0f} tokens/s); held-out T=1 alpha_RS step 1 "
+            f"{m['alpha_rs_step1']:.3f}, E[L]({plan.gamma}) Eq. 12 {m[f'accept_len_rs_g{plan.gamma}']:.3f}, "
+            f"decode-exact (curve) {curve_end[-1]:.3f}; run {times[-1]:.0f} s"
+            + (f"; ETA {left * sum(times) / len(times):.0f} s for {left} runs" if left else ""))
+    return {r: read_record(run_folder(plan, r[0], r[2], r[1])) for r in runs}

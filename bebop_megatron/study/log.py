@@ -1,0 +1,25 @@
+"""The study's log (stdout and ``study.log`` in the output folder) and its one-line errors."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+_LOG_FILES: list[Path] = []
+
+
+class StudyError(ValueError):
+    """A user-facing failure: one ``error:`` line, exit status 2."""
+
+
+def set_log_file(path: Path | None) -> None:
+    """Every :func:`log` line also goes to ``path`` (None: stdout only)."""
+    _LOG_FILES[:] = [path] if path is not None else []
+
+
+def log(msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    for path in _LOG_FILES:
+        with open(path, "a") as f:
+            f.write(line + "\n")

@@ -1,0 +1,162 @@
+"""The objective study's preparation stages: the Megatron import, the model's own responses and
+their indexed datasets. Each resumes from the work directory: a finished stage is skipped (its
+folder holds :data:`DONE`), a killed one is redone (the import) or continued (the responses:
+the samples already written are kept, :func:`bebop_megatron.data.generate.load_existing`)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+from bebop_megatron.study.log import StudyError, log
+
+DONE = ".complete"
+SPLITS = ("heldout", "train")
+
+
+def is_done(path: Path) -> bool:
+    return (path / DONE).is_file()
+
+
+def mark_done(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / DONE).write_text("ok\n")
+
+
+def stage_import(hf: Path, work: Path, *, mtp_num_steps: int = 3) -> Path:
+    """``tools/convert_from_hf.py``'s import of ``hf`` into ``work/megatron`` (any family it handles)."""
+    from bebop_megatron.convert.importer import convert_from_hf
+
+    meg = work / "megatron"
+    if is_done(meg):
+        return meg
+    shutil.rmtree(meg, ignore_errors=True)
+    t0 = time.time()
+    log(f"import: {hf} -> {meg}")
+    convert_from_hf(str(hf), str(meg), mtp_num_steps=mtp_num_steps, progress=False)
+    mark_done(meg)
+    log(f"import: {time.time() - t0:.0f} s")
+    return meg
+
+
+def prompt_sets(prompts: Path, num_train: int, num_heldout: int) -> dict:
+    """``{"heldout": [Prompt], "train": [Prompt]}``: a folder's ``heldout.jsonl`` and ``train.jsonl``,
+    or one file whose first ``num_heldout`` distinct prompts are held out and the next ``num_train``
+    train on. A prompt in both sets is refused (the held-out responses must be new to the head)."""
+    from bebop_megatron.data.generate import read_prompts
+
+    if prompts.is_dir():
+        missing = [s for s in SPLITS if not (prompts / f"{s}.jsonl").is_file()]
+        if missing:
+            raise StudyError(f"{prompts}: no {', '.join(m + '.jsonl' for m in missing)} (a prompts folder holds "
+                             "train.jsonl and heldout.jsonl; or give one file)")
+        sets = {"heldout": read_prompts(str(prompts / "heldout.jsonl"), limit=num_heldout).prompts,
+                "train": read_prompts(str(prompts / "train.jsonl"), limit=num_train).prompts}
+    elif prompts.is_file():
+        every = read_prompts(str(prompts), limit=num_heldout + num_train).prompts
+        sets = {"heldout": every[:num_heldout], "train": every[num_heldout:]}
+    else:
+        raise StudyError(f"--prompts {prompts}: no such file or folder")
+    held = {_messages_key(p) for p in sets["heldout"]}
+    shared = sum(_messages_key(p) in held for p in sets["train"])
+    if shared:
+        raise StudyError(f"{shared} train prompts are also held-out prompts: the held-out set must be disjoint")
+    if not sets["heldout"] or not sets["train"]:
+        raise StudyError(f"--prompts {prompts}: {len(sets['train'])} train and {len(sets['heldout'])} held-out "
+                         "prompts; both sets need at least one")
+    return sets
+
+
+def _messages_key(prompt) -> str:
+    import json
+
+    return json.dumps(getattr(prompt, "messages", None) or str(prompt.key), sort_keys=True)
+
+
+def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int, max_new_tokens: int,
+                    batch_size: int, chunk_batches: int = 2, deadline: float | None = None,
+                    temperature: float = 1.0) -> dict:
+    """The model's own answers at ``temperature`` to both prompt sets (batched transformers
+    ``generate``), appended to ``data/<split>.jsonl``; a killed stage continues where it stopped.
+    Generation stops at ``deadline`` (between chunks) once a split has a response."""
+    from bebop_megatron.data.generate import ExistingOutput, load_existing, plan_jobs, run_generation
+    from bebop_megatron.data.generate_hf import HFBackend
+
+    if is_done(data):
+        import json
+
+        return json.loads((data / "responses.json").read_text())
+    data.mkdir(parents=True, exist_ok=True)
+    backend = None
+    stats = {}
+    for split in SPLITS:
+        out = data / f"{split}.jsonl"
+        existing = load_existing(str(out)) if out.is_file() else None
+        done = existing.done if existing else set()
+        jobs = plan_jobs(sets[split], 1, seed + (split == "heldout"), done)
+        written, tokens, seconds = len(done), 0, 0.0
+        chunk = batch_size * chunk_batches
+        for lo in range(0, len(jobs), chunk):
+            if deadline is not None and time.time() > deadline and written > 0:
+                log(f"responses ({split}): generation budget spent; {len(jobs) - lo} prompts left out")
+                break
+            if backend is None:
+                backend = HFBackend(str(hf), max_new_tokens=max_new_tokens, temperature=temperature,
+                                    batch_size=batch_size, device=device,
+                                    dtype="bf16" if device == "cuda" else "fp32")
+            # Shortest prompts together: less left padding. Sorting within a chunk selects
+            # nothing (a chunk is generated whole, the budget is checked between chunks).
+            part = sorted(jobs[lo:lo + chunk], key=lambda job: _prompt_length(backend, job))
+            summary = run_generation(backend, part, str(out), ExistingOutput(set(), {}), progress=False)
+            written += summary.num_written
+            tokens += summary.num_tokens
+            seconds += summary.seconds
+            left = len(jobs) - lo - len(part)
+            rate = (lo + len(part)) / max(seconds, 1e-9)
+            log(f"responses ({split}): {written} written, {tokens / max(seconds, 1e-9):,.0f} generated tokens/s"
+                + (f", {left} left, ETA {left / max(rate, 1e-9):.0f} s" if left else ""))
+        if written == 0:
+            raise StudyError(f"responses ({split}): none was written (see the lines above)")
+        stats[split] = {"responses": written, "generated_tokens": tokens, "seconds": seconds}
+    backend = None  # frees the model before training
+    free_cuda()
+    import json
+
+    (data / "responses.json").write_text(json.dumps(stats) + "\n")
+    mark_done(data)
+    return stats
+
+
+def stage_tokenize(meg: Path, data: Path) -> None:
+    """Both response files as indexed datasets (``tools/preprocess_data.py``'s ``preprocess``, with
+    the import's tokenizer), once: every trainer then reads them instead of tokenizing the JSONL."""
+    from bebop_megatron.data.preprocess import preprocess
+
+    for split in SPLITS:
+        src, stamp = data / f"{split}.jsonl", data / f".{split}.tokenized"
+        key = f"{src.stat().st_size}\n"
+        if stamp.is_file() and stamp.read_text() == key:
+            continue
+        t0 = time.time()
+        preprocess([str(src)], str(data / split), tokenizer_dir=str(meg / "hf"), train_on="response",
+                   on_error="fail", progress=False, overwrite=True)  # the responses changed: tokenized again
+        stamp.write_text(key)
+        log(f"tokenize ({split}): {time.time() - t0:.1f} s")
+
+
+def _prompt_length(backend, job) -> int:
+    try:
+        return len(backend.prompt_ids(job))
+    except Exception:  # a template that rejects it: the backend reports it when it generates
+        return 0
+
+
+def free_cuda() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,202 @@
+"""Which objective trains the best MTP head on your model? Seeds, intervals over responses, decode-exact E[L].
+
+    # a model by its registry name (benchmarks/real_model/models.py) or an HF folder, prompts
+    # (one JSONL file, or a folder of train.jsonl and heldout.jsonl): the model's own answers at T=1
+    # are the data; 5 objectives x 3 seeds x 40k tokens, fresh heads
+    python tools/objective_study.py --model smollm2-135m --prompts PROMPTS --work WORK \\
+        --objectives ce,kl,e2e_tv,e2e_nla,e2e_lk --seeds 0,1,2 --tokens 40000
+    # an import you already have, data the trainer reads, heads first trained with ce for 20k tokens
+    python tools/objective_study.py --megatron IMPORT --train-data a.jsonl --heldout-data b.jsonl \\
+        --conditions fresh,existing --existing ce:20000 --work WORK
+    # the report again (of a finished or a partial study)
+    python tools/objective_study.py --work WORK --report-only [same options]
+
+Stages, each resumable from --work (a complete stage is skipped; run the same command again after
+an interruption): the import (tools/convert_from_hf.py); the responses (batched transformers
+generate at T=1, train and held-out prompts disjoint) and their indexed datasets; for the
+``existing`` condition the seed's ce head; then every (condition, seed, objective) run: the
+training with learning curves (the trainer's held-out pass: alpha, E[L] by Eq. 12 and the
+decode-exact E[L]), the held-out evaluation at T=1 and 0.7 (tools/eval_acceptance.py's
+statistics, per position, with the response of every position); last the report in --out:
+RESULTS.md (tables, paired differences against ce and kl with 95% intervals from a bootstrap over
+responses and seeds, a recommendation line per condition), results.csv, curves_<condition>.png,
+summary.json. See docs/study.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OBJECTIVES = "ce,kl,e2e_tv,e2e_nla,e2e_lk"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = p.add_argument_group("the model (one of)")
+    m.add_argument("--model", help="a registry name of benchmarks/real_model/models.py (fetched and dequantized "
+                                   "into $BEBOP_CACHE/NAME/hf when missing)")
+    m.add_argument("--hf-dir", help="a Hugging Face model folder (any family tools/convert_from_hf.py handles)")
+    m.add_argument("--megatron", help="an import of tools/convert_from_hf.py (its MTP layers for --existing import)")
+    m.add_argument("--mtp-num-steps", type=int, default=3, help="MTP steps of the import (default 3)")
+    d = p.add_argument_group("the data (one of)")
+    d.add_argument("--prompts", help="prompts: one JSONL file (the first --num-heldout held out) or a folder of "
+                                     "train.jsonl and heldout.jsonl; the model answers them at T=1 (needs --model or "
+                                     "--hf-dir)")
+    d.add_argument("--train-data", help="training files the trainer reads (comma-separated: JSONL, indexed, ...)")
+    d.add_argument("--heldout-data", help="held-out files the trainer reads (comma-separated)")
+    d.add_argument("--train-on", default="response", help="data.train_on of --train-data (default response)")
+    d.add_argument("--num-train", type=int, default=1000)
+    d.add_argument("--num-heldout", type=int, default=150)
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--gen-batch-size", type=int, default=16)
+    d.add_argument("--gen-budget-s", type=float, default=None, help="stop generating after this long (default: no limit)")
+    s = p.add_argument_group("the study")
+    s.add_argument("--work", required=True, help="work folder: every stage resumes from it")
+    s.add_argument("--out", default=None, help="report folder (default WORK/report)")
+    s.add_argument("--objectives", default=OBJECTIVES, help=f"comma-separated loss.type values (default {OBJECTIVES})")
+    s.add_argument("--conditions", default="fresh", help="fresh, existing or both (default fresh)")
+    s.add_argument("--existing", default="import",
+                   help="the existing condition's head: 'import' (the import's MTP layers) or 'ce:N' (a fresh head "
+                        "first trained with ce for N tokens, per seed); default import")
+    s.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    s.add_argument("--tokens", type=int, default=40_000, help="training tokens per run (default 40000)")
+    s.add_argument("--lr", type=float, default=1e-3, help="fresh heads (cosine to lr/10; default 1e-3)")
+    s.add_argument("--ft-lr", type=float, default=1e-4, help="existing heads (default 1e-4)")
+    s.add_argument("--seq-length", type=int, default=1024)
+    s.add_argument("--micro-batch-size", type=int, default=4)
+    s.add_argument("--global-batch-size", type=int, default=8)
+    s.add_argument("--warmup-fraction", type=float, default=0.05)
+    s.add_argument("--curve-points", type=int, default=8, help="held-out passes per run (default 8)")
+    s.add_argument("--curve-rows", type=int, default=64, help="held-out rows of each curve point (default 64)")
+    s.add_argument("--loss-chunk-tokens", type=int, default=8192)
+    s.add_argument("--eval-chunk-positions", type=int, default=4096)
+    s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    s.add_argument("--precision", default=None, help="default fp32 on cpu, bf16 on cuda")
+    s.add_argument("--ranks", type=int, default=1, help="processes per run (only 1 so far)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config override")
+    s.add_argument("--seed", type=int, default=1234, help="seed of response generation (default 1234)")
+    s.add_argument("--title", default="", help="the report's title (default: the model)")
+    s.add_argument("--report-only", action="store_true", help="write the report of the finished runs and stop")
+    s.add_argument("--num-boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    s.add_argument("--verbose", action="store_true", help="the trainer's own lines")
+    args = p.parse_args(argv)
+    if sum(x is not None for x in (args.model, args.hf_dir, args.megatron)) != 1:
+        p.error("give one of --model, --hf-dir, --megatron")
+    if (args.prompts is None) == (args.train_data is None):
+        p.error("give --prompts or --train-data (with --heldout-data)")
+    if args.train_data is not None and args.heldout_data is None:
+        p.error("--train-data needs --heldout-data")
+    if args.prompts is not None and args.megatron is not None:
+        p.error("--prompts needs --model or --hf-dir (the responses are generated with transformers)")
+    for name in ("num_train", "num_heldout", "max_new_tokens", "gen_batch_size", "tokens", "seq_length",
+                 "micro_batch_size", "global_batch_size", "curve_points", "curve_rows", "loss_chunk_tokens",
+                 "eval_chunk_positions", "num_boot", "mtp_num_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("lr", "ft_lr"):
+        if not 0 < getattr(args, name) < float("inf"):
+            p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    if args.gen_budget_s is not None and not args.gen_budget_s > 0:
+        p.error(f"--gen-budget-s must be positive, got {args.gen_budget_s}")
+    if args.ranks != 1:
+        p.error("--ranks: only 1 process per run so far (use --device cuda for a GPU)")
+    args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    return args
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def registry_model(name: str) -> Path:
+    """The HF folder of a registry model: ``$BEBOP_CACHE/NAME/hf``, fetched and dequantized when missing."""
+    from bebop_megatron.study.log import StudyError, log
+    from bebop_megatron.study.stages import is_done, mark_done
+
+    models = _load("models", REPO / "benchmarks" / "real_model" / "models.py")
+    if name not in models.MODELS:
+        raise StudyError(f"--model {name!r}: not in the registry ({', '.join(models.MODELS)}); or give --hf-dir")
+    spec = models.MODELS[name]
+    cache = models.cache_root() / spec.name
+    hf = cache / "hf"
+    if not is_done(hf):
+        try:
+            models.dequantize(models.fetch_gguf(spec, cache, log=log), hf, spec.hf_class, log=log)
+        except models.ModelError as err:
+            raise StudyError(str(err)) from None
+        mark_done(hf)
+    return hf
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import time
+
+    from bebop_megatron.study.driver import StudyPlan, check_plan, run_study
+    from bebop_megatron.study.log import StudyError, log, set_log_file
+    from bebop_megatron.study.report import write_report
+    from bebop_megatron.study.stages import prompt_sets, stage_import, stage_responses, stage_tokenize
+
+    work = Path(args.work).resolve()
+    out = Path(args.out).resolve() if args.out else work / "report"
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    set_log_file(out / "study.log")
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    try:
+        seeds = [int(x) for x in split(args.seeds)]
+    except ValueError:
+        raise StudyError(f"--seeds {args.seeds!r}: comma-separated integers") from None
+    plan = StudyPlan(work=work, out=out, meg=Path(), train_files=[], valid_files=[], objectives=split(args.objectives),
+                     conditions=split(args.conditions), existing=args.existing, seeds=seeds, tokens=args.tokens,
+                     lr=args.lr, ft_lr=args.ft_lr, train_on=args.train_on, seq_length=args.seq_length,
+                     micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                     warmup_fraction=args.warmup_fraction, curve_points=args.curve_points, curve_rows=args.curve_rows,
+                     loss_chunk_tokens=args.loss_chunk_tokens, chunk_positions=args.eval_chunk_positions,
+                     device=args.device, precision=args.precision, overrides=list(args.set), verbose=args.verbose,
+                     title=args.title or args.model or Path(args.hf_dir or args.megatron).name)
+    check_plan(plan)
+    if args.report_only:
+        write_report(plan, num_boot=args.num_boot)
+        return
+    t0 = time.time()
+    hf = registry_model(args.model) if args.model else Path(args.hf_dir) if args.hf_dir else None
+    if hf is not None and not (hf / "config.json").is_file():
+        raise StudyError(f"{hf}: no config.json (not a Hugging Face model folder)")
+    plan.meg = Path(args.megatron).resolve() if args.megatron else stage_import(hf, work,
+                                                                                 mtp_num_steps=args.mtp_num_steps)
+    if not (plan.meg / "bebop_model.yaml").is_file():
+        raise StudyError(f"{plan.meg}: no bebop_model.yaml (not an import of tools/convert_from_hf.py)")
+    if args.prompts:
+        data = work / "data"
+        sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout)
+        gen = stage_responses(hf, sets, data, device=args.device, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.gen_batch_size,
+                              deadline=None if args.gen_budget_s is None else time.time() + args.gen_budget_s)
+        stage_tokenize(plan.meg, data)
+        plan.train_files, plan.valid_files = [data / "train"], [data / "heldout"]
+        plan.info["responses"] = gen
+    else:
+        plan.train_files, plan.valid_files = split(args.train_data), split(args.heldout_data)
+    sys.path.insert(0, str(REPO / "tools"))
+    from eval_acceptance import micro_batch_statistics
+
+    run_study(plan, micro_batch_statistics)
+    write_report(plan, num_boot=args.num_boot)
+    log(f"study done in {time.time() - t0:.0f} s; report in {out}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    from bebop_megatron.cli import run_cli
+
+    run_cli(lambda: main(sys.argv[1:]))
