@@ -99,11 +99,13 @@ def _kernel_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
-    seed = torch.zeros(2, dtype=torch.int64, device=q.device)  # no dropout: unused
-    offset = torch.zeros((), dtype=torch.int64, device=q.device)
+    # No dropout: the philox seed and offset are not read. The kernel's log-sum-exp rows are padded
+    # to a multiple of 32 (as its forward returns them).
+    seed = torch.zeros((), dtype=torch.int64)
+    offset = torch.zeros((), dtype=torch.int64)
+    lse = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32)).contiguous()
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, q, k, v, None, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], causal,
-        scale=scale)
+        grad_out, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
 
 
