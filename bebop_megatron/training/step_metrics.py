@@ -60,8 +60,8 @@ def reduce_step_metrics(
             report[0] += out["loss_sum"].float().cpu()
             report[1] += out["count"].float().cpu()
             report[3:] += out["stats"].flatten().cpu()
-        if parallel_state.get_data_parallel_rank() == 0:
-            report[2] = grad_norm
+        if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0:
+            report[2] = grad_norm  # the same global norm on every rank: counted once
     report = report.to(comm_device)
     dist.all_reduce(report)
     report = report.cpu()

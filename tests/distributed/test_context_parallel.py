@@ -11,8 +11,8 @@ kernels merged by log-sum-exp), that of the references the plain fused SDPA.
 Cases (GQA: 4 query heads, 2 groups): synthetic causal rows with e2e TV; packed rows of a JSONL
 corpus (documents of 8-30 tokens that span chunks and ranks) with CE, and with e2e NLA and the
 ``pre_norm`` hand-off. Checked against the single-rank run from the same initial weights: the
-loss of every step (relative 1e-5; 2 Adam updates in between), the MTP gradients of step 0, and
-the alpha / E[L] statistics of every step.
+loss and the logged gradient norm of every step (relative 1e-5 and 1e-4; 2 Adam updates in
+between), the MTP gradients of step 0, and the alpha / E[L] statistics of every step.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def test_context_parallel_matches_one_rank(runs, case):
     assert len(ref_h) == len(got_h) == STEPS
     for step, (r, g) in enumerate(zip(ref_h, got_h)):
         assert g["loss"] == pytest.approx(r["loss"], rel=1e-5), f"step {step}"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), f"step {step} grad_norm"
         for key in ("alpha_rs", "alpha_to", "accept_len_rs", "top1", "ce"):
             assert g[key] == pytest.approx(r[key], rel=1e-5, abs=1e-6), f"step {step} {key}"
     assert ref_h[-1]["loss"] < ref_h[0]["loss"]  # it trains
