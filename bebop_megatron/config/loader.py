@@ -12,6 +12,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from bebop_megatron.config.checkpoints import validate_checkpoints
 from bebop_megatron.config.errors import ConfigError
+from bebop_megatron.config.hybrid import has_linear_attention
 from bebop_megatron.config.outputs import validate_outputs
 from bebop_megatron.config.schema import Config
 from bebop_megatron.config.sizes import validate_sizes
@@ -153,6 +154,35 @@ TEMPERATURE_RANGE = (1e-3, 1e3)
 """Allowed ``loss.target_temperature`` / ``loss.draft_temperature``."""
 
 
+def _validate_context_parallel(cfg) -> None:
+    """``parallel.context = C > 1``: the SDPA backend's own CP attention (model/cp_attention.py)
+    and the MTP loss over the shards; the combinations not built or tested are refused."""
+    m, p, t, C = cfg.model, cfg.parallel, cfg.train, cfg.parallel.context
+    pre = f"parallel.context={C}"
+    if t.seq_length % (2 * C):
+        raise ConfigError(f"{pre} needs train.seq_length={t.seq_length} divisible by 2 * parallel.context = {2 * C} "
+                          "(each row is split into 2C chunks)")
+    if t.seq_length // (2 * C) < cfg.mtp.num_steps:
+        raise ConfigError(f"{pre}: each of the 2C chunks of a row (train.seq_length / {2 * C}) must hold at least "
+                          f"mtp.num_steps={cfg.mtp.num_steps} positions")
+    if m.transformer_impl == "transformer_engine":
+        raise ConfigError(f"{pre} runs with the local layers only (model.transformer_impl=local or auto)")
+    if m.attention_backend != "sdpa":
+        raise ConfigError(f"{pre} needs model.attention_backend=sdpa (the unfused attention has no CP)")
+    if has_linear_attention(m):
+        raise ConfigError(f"{pre}: Gated DeltaNet layers (model.layer_types with linear_attention) do not pass "
+                          "their recurrent state across CP chunks yet; use parallel.context=1")
+    if m.multi_latent_attention:
+        raise ConfigError(f"{pre} with model.multi_latent_attention=true is not implemented yet; use parallel.context=1")
+    for name, size in (("tensor", p.tensor), ("pipeline", p.pipeline), ("expert", p.expert)):
+        if size > 1:
+            raise ConfigError(f"{pre} with parallel.{name}={size} is not implemented/tested yet; "
+                              f"use parallel.{name}=1 with context parallelism")
+    if cfg.data.valid_files:
+        raise ConfigError(f"{pre}: the held-out pass (data.valid_files) does not run under context "
+                          "parallelism yet (its decode-exact forecast needs whole rows); use parallel.context=1")
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no process group. World-size checks live in ``parallel_sizes``."""
     m, p, t, mtp = cfg.model, cfg.parallel, cfg.train, cfg.mtp
@@ -254,11 +284,7 @@ def validate(cfg: Config) -> None:
     if p.sequence_parallel and t.seq_length % p.tensor:
         raise ConfigError(f"parallel.tensor={p.tensor} must divide train.seq_length={t.seq_length} with sequence_parallel")
     if p.context > 1:
-        raise ConfigError(
-            f"parallel.context={p.context}: context parallelism is not supported yet; Megatron-Core's "
-            "local attention refuses it (only Transformer Engine attention supports it) and the MTP "
-            "loss does not yet split targets over context-parallel shards; use parallel.context=1"
-        )
+        _validate_context_parallel(cfg)
     if p.pipeline_layout is not None:
         _validate_pipeline_layout(cfg)
     if p.pipeline > 1 and p.pipeline_layout is None and m.num_layers % p.pipeline:

@@ -25,13 +25,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
 from bebop_megatron.data.batches import dense_attention_mask, document_starts
+from bebop_megatron.model.cp_attention import context_parallel_attention
 
 ATTENTION_BACKENDS = ("sdpa", "unfused")
 
@@ -73,6 +74,8 @@ class _SDPAForward:
         if causal and sq != sk:
             raise ValueError(f"causal SDPAttention needs as many queries as keys (got {sq} and {sk})")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, d]
+        if self.config.context_parallel_size > 1:  # this rank's chunks against the whole row
+            return self._attend_cp(q, k, v, attention_mask, causal, sq, b)
         kwargs = dict(scale=self._sdpa_scale(), enable_gqa=q.shape[1] != k.shape[1],
                       dropout_p=self.attention_dropout.p if self.training else 0.0)
         if kwargs["dropout_p"] and not self.config.sequence_parallel:
@@ -81,6 +84,14 @@ class _SDPAForward:
         else:
             out = self._attend(q, k, v, attention_mask, causal, kwargs)
         # [b, heads, sq, d_v] -> [sq, b, heads * d_v]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _attend_cp(self, q, k, v, attention_mask, causal: bool, sq: int, b: int) -> torch.Tensor:
+        if not causal or (attention_mask is not None and attention_mask.dim() != 2):
+            raise ValueError("parallel.context > 1 supports causal attention (with packed rows' document starts) only")
+        starts = None if attention_mask is None else document_starts(attention_mask)
+        out = context_parallel_attention(q, k, v, starts, scale=self._sdpa_scale(),
+                                         cp_group=parallel_state.get_context_parallel_group())
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
     @staticmethod
@@ -106,11 +117,20 @@ class UnfusedAttention(_UnfusedForward, DotProductAttention):
 
 class SDPAttention(_SDPAForward, DotProductAttention):
     """``DotProductAttention``'s constructor, settings and checkpoint keys (none), with SDPA
-    kernels (``model.attention_backend=sdpa``); no softmax offsets or window attention."""
+    kernels (``model.attention_backend=sdpa``); no softmax offsets or window attention. Under
+    context parallelism (``parallel.context > 1``) it runs
+    :func:`~bebop_megatron.model.cp_attention.context_parallel_attention`."""
 
     def __init__(self, config, layer_number: int, *args, **kwargs):
         self._check_sdpa(config, layer_number)
-        super().__init__(config, layer_number, *args, **kwargs)
+        # DotProductAttention asserts context_parallel_size == 1 (only TE's attention has CP);
+        # this module computes CP attention itself.
+        cp = config.context_parallel_size
+        config.context_parallel_size = 1
+        try:
+            super().__init__(config, layer_number, *args, **kwargs)
+        finally:
+            config.context_parallel_size = cp
 
 
 class _MLAWidths(DotProductAttention):

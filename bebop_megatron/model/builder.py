@@ -87,7 +87,7 @@ def use_transformer_engine(cfg: Config, device: str) -> bool:
     from bebop_megatron.platform import have_transformer_engine
 
     impl = cfg.model.transformer_impl
-    if impl == "local" or has_linear_attention(cfg.model):  # hybrid layers: local specs only
+    if impl == "local" or has_linear_attention(cfg.model) or cfg.parallel.context > 1:  # local specs only
         return False
     te = have_transformer_engine() and device == "cuda"
     if impl == "transformer_engine" and not te:

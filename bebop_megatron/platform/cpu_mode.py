@@ -55,7 +55,8 @@ _TENSOR_CUDA, _TENSOR_TYPE, _TENSOR_TO = torch.Tensor.cuda, torch.Tensor.type, t
 
 
 class _CpuDeviceMode(TorchFunctionMode):
-    """Rewrites CUDA devices to the CPU in tensor factories, ``.to()`` and ``.cuda()``.
+    """Rewrites CUDA devices to the CPU in tensor factories, ``.to()`` and ``.cuda()``, and
+    drops ``pin_memory=True`` (it needs a CUDA driver).
 
     Also reports CPU tensors' ``Tensor.type()`` under their CUDA names, because Megatron's
     optimizers assert ``'torch.cuda.FloatTensor'`` and friends.
@@ -76,6 +77,8 @@ class _CpuDeviceMode(TorchFunctionMode):
             return func(*args)
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # pinned host memory needs a CUDA driver (rope_utils' CP index)
+            kwargs = {**kwargs, "pin_memory": False}
         return func(*args, **kwargs)
 
 

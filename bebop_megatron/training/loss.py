@@ -17,13 +17,15 @@ the count of the whole global batch, across micro-batches and data-parallel rank
 from __future__ import annotations
 
 import torch
-from megatron.core import tensor_parallel
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
 
 from bebop_megatron.config import LossConfig
 from bebop_megatron.data import Batch
 from bebop_megatron.losses import ACCEPT_LEN_KEYS, STAT_KEYS, chain_mask, fused_linear_objective
 from bebop_megatron.losses.decode_exact import decode_exact_rows, run_starts
 from bebop_megatron.losses.vocab import masked_padded_vocab
+from bebop_megatron.model.cp_attention import cp_chunk_ids, shard_sequence
 
 # Decode-exact sums (held-out pass only; zeros otherwise): entry g-1 is gamma g's expected
 # accepted drafts / verifications over the batch's texts (bebop_megatron.losses.decode_exact).
@@ -80,6 +82,52 @@ def output_weight_of(model) -> torch.Tensor:
     return weight if weight is not None else model.output_layer.weight
 
 
+class _ContextParallelLayout:
+    """The fused loss's layout of this CP rank's positions (``parallel.context = C > 1``).
+
+    The rank holds global chunks a = r and b = 2C-1-r (L positions each) of every row; the fused
+    loss compares step k at t with the backbone at t+k, which for the last K positions of a chunk
+    lies in the *next* global chunk (another rank's, or for r = C-1 this rank's other chunk). The
+    loss therefore runs on ``[chunk a; K pad; chunk b; K pad]`` (2L + 2K positions): the pad rows
+    are invalid draft positions, and in the backbone they hold the first K hidden states of the
+    chunk that follows (all-gathered over the CP group; zeros after the row's end), so the
+    fused loss's reads at t+1..t+K see the row's true backbone. Labels, loss masks and document
+    ids are whole rows on every rank: chain validity and shifted targets are computed on the whole
+    row, then sharded."""
+
+    def __init__(self, K: int, group):
+        self.K, self.group = K, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def shard(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Whole-row tensor -> this rank's 2L positions along ``dim``."""
+        return shard_sequence(x, self.rank, self.size, dim=dim)
+
+    def pad(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """2L local positions along ``dim`` -> ``[a; K zeros; b; K zeros]``."""
+        a, b = x.chunk(2, dim=dim)
+        shape = list(x.shape)
+        shape[dim] = self.K
+        zeros = x.new_zeros(shape)
+        return torch.cat([a, zeros, b, zeros], dim=dim)
+
+    def backbone(self, local_SBH: torch.Tensor) -> torch.Tensor:
+        """The backbone ``[2L, B, H]`` -> ``[a; first K of chunk a+1; b; first K of chunk b+1]``."""
+        K, C = self.K, self.size
+        a, b = local_SBH.chunk(2, dim=0)
+        heads = torch.stack([a[:K], b[:K]]).contiguous()  # [2, K, B, H]
+        parts = [torch.empty_like(heads) for _ in range(C)]
+        dist.all_gather(parts, heads, group=self.group)
+
+        def head_of(chunk: int) -> torch.Tensor:  # first K rows of global chunk `chunk`
+            if chunk >= 2 * C:
+                return torch.zeros_like(heads[0])
+            return parts[chunk][0] if chunk < C else parts[2 * C - 1 - chunk][1]
+
+        ca, cb = cp_chunk_ids(self.rank, C)
+        return torch.cat([a, head_of(ca + 1), b, head_of(cb + 1)])
+
+
 def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: LossConfig,
              vocab_size: int | None = None, decode_exact: bool = False):
     """Returns ``(loss_sum, num_positions, stats)``; ``stats`` is ``[len(STAT_ROWS), K]`` sums.
@@ -102,6 +150,10 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     labels_SB = batch.labels.t().contiguous()
     valid_KSB = chain_valid(batch.loss_mask, K, batch.segment_ids).transpose(1, 2)
     data_targets_KSB = _shift_targets(labels_SB, K)  # step k at t predicts labels[t+k]
+    cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+    cp = _ContextParallelLayout(K, cp_group) if cp_group is not None and cp_group.size() > 1 else None
+    if cp is not None:  # the batch holds whole rows; the hidden states this rank's chunks
+        valid_KSB, data_targets_KSB = cp.shard(valid_KSB, 1), cp.shard(data_targets_KSB, 1)
     stats = torch.zeros(len(STAT_ROWS), K, dtype=torch.float32, device=hidden.device)
     stats[2] = valid_KSB.flatten(1).sum(-1).float()
     num_positions = valid_KSB[0].sum().to(torch.int)
@@ -109,19 +161,25 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     with torch.no_grad():  # the frozen backbone; step k's target is at t+k (shifted inside the loss)
         backbone_SBH = _full_sequence(chunks[0], model, tp_group)
     draft_KSBH = torch.stack([_full_sequence(chunks[k], model, tp_group) for k in range(1, K + 1)])
+    fused_valid_KSB, fused_targets_KSB = valid_KSB, data_targets_KSB
+    if cp is not None:
+        with torch.no_grad():
+            backbone_SBH = cp.backbone(backbone_SBH)
+        draft_KSBH = cp.pad(draft_KSBH, 1)
+        fused_valid_KSB, fused_targets_KSB = cp.pad(valid_KSB, 1), cp.pad(data_targets_KSB, 1)
 
     objective = "e2e_tv" if loss_cfg.type == "ce" else loss_cfg.type
     kwargs = dict(
-        labels=data_targets_KSB, tp_group=tp_group, target_temperature=loss_cfg.target_temperature,
+        labels=fused_targets_KSB, tp_group=tp_group, target_temperature=loss_cfg.target_temperature,
         draft_temperature=loss_cfg.draft_temperature, reduction="sum",
         chunk_tokens=loss_cfg.chunk_tokens, return_stats=True, impl=loss_cfg.impl, vocab_size=vocab_size,
         lk_eta=loss_cfg.lk_eta, label_rows=decode_exact,
     )
-    args = (objective, draft_KSBH, backbone_SBH, weight_VH, valid_KSB)
+    args = (objective, draft_KSBH, backbone_SBH, weight_VH, fused_valid_KSB)
     if loss_cfg.type == "ce":
         with torch.no_grad():
             _, dist_stats = fused_linear_objective(*args, **kwargs)
-        per_position_SB = torch.zeros(labels_SB.shape, dtype=torch.float32, device=hidden.device)
+        per_position_SB = torch.zeros(valid_KSB.shape[1:], dtype=torch.float32, device=hidden.device)
         for k in range(1, K + 1):
             logits_SBV, _ = model.output_layer(chunks[k], weight=model.output_weight())
             logits_SBV = masked_padded_vocab(logits_SBV, vocab_size, tp_group)
@@ -136,6 +194,8 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     for row, key in enumerate(STAT_KEYS + ACCEPT_LEN_KEYS, start=3):
         stats[row] = dist_stats[key].float()
     if decode_exact:
+        if cp is not None:
+            raise ValueError("the decode-exact forecast needs whole rows (parallel.context=1)")
         stats[STAT_ROWS.index(DECODE_ROWS[0]):] = decode_exact_sums(dist_stats["label_rows"], valid_KSB, batch,
                                                                     K).to(stats)
     return loss_sum.float(), num_positions, stats

@@ -49,22 +49,19 @@ def reduce_step_metrics(
     """One all-reduce per step brings the logged numbers to every rank.
 
     Only one rank per data-parallel replica of the MTP stage contributes (its TP ranks
-    hold copies of the same sums). ``lr``: the LR the step's update used.
+    hold copies of the same sums); every context-parallel rank contributes the sums of its
+    own chunks of the rows. ``lr``: the LR the step's update used.
     """
     K, R = num_steps, len(STAT_ROWS)
     report = torch.zeros(3 + R * K)
-    contributes = (
-        has_mtp
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_context_parallel_rank() == 0
-    )
+    contributes = has_mtp and parallel_state.get_tensor_model_parallel_rank() == 0
     if contributes:
         for out in outputs:
             report[0] += out["loss_sum"].float().cpu()
             report[1] += out["count"].float().cpu()
             report[3:] += out["stats"].flatten().cpu()
-        if parallel_state.get_data_parallel_rank() == 0:
-            report[2] = grad_norm
+        if parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_context_parallel_rank() == 0:
+            report[2] = grad_norm  # the same global norm on every rank: counted once
     report = report.to(comm_device)
     dist.all_reduce(report)
     report = report.cpu()

@@ -44,6 +44,7 @@ from bebop_megatron.training.loss import mtp_loss
 from bebop_megatron.training.monitor import Monitor, eval_scalars, peak_memory_gib, step_scalars
 from bebop_megatron.training.optim import build_optimizer, finalize_mtp_grads, wrap_ddp
 from bebop_megatron.training.parallel import setup_parallel
+from bebop_megatron.model.cp_attention import shard_sequence
 from bebop_megatron.training.precision import check_cpu_bf16
 from bebop_megatron.training.resume import agree_on_start
 from bebop_megatron.training.schedule import run_microbatches
@@ -65,7 +66,13 @@ def _forward_step(data_iterator, model, *, num_steps: int, device: torch.device,
     # attention scores as positions restarting at 0.
     mask = attention_mask(batch.segment_ids)
     batch = batch.to(device)
-    output = model(batch.tokens, batch.position_ids, None if mask is None else mask.to(device))
+    # Context parallelism: the model gets this rank's chunks of the rows (the attention the whole
+    # rows' document starts), the loss whole rows (model/cp_attention.py, training/loss.py).
+    cp_size = parallel_state.get_context_parallel_world_size()
+    inputs = [batch.tokens, batch.position_ids]
+    if cp_size > 1:
+        inputs = [shard_sequence(x, parallel_state.get_context_parallel_rank(), cp_size) for x in inputs]
+    output = model(*inputs, None if mask is None else mask.to(device))
     unwrapped = getattr(model, "module", model)
     if not unwrapped.post_process:
         return output, None

@@ -123,7 +123,8 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
         trainer.step += 1
         trainer.consumed_samples += cfg.train.global_batch_size
         m = trainer.reduce_metrics(outputs, norm)
-        history.append({"loss": m.loss, "top1": m.top1, "ce": m.ce, "grad_norm": m.grad_norm})
+        history.append({"loss": m.loss, "top1": m.top1, "ce": m.ce, "grad_norm": m.grad_norm,
+                        "alpha_rs": m.alpha_rs, "alpha_to": m.alpha_to, "accept_len_rs": m.accept_len_rs})
 
     # Backbone bit-identical on every rank; optimizer holds exactly the trainable params.
     identical = all(torch.equal(p, backbone[n]) for n, p in module.named_parameters() if n in backbone)
