@@ -154,3 +154,10 @@ def test_fingerprint_covers_token_id_files_and_the_format_key(tmp_path):
     after = data_record([str(path)])
     assert set(before) == {str(path)} and before[str(path)] and before != after
     assert "data.format" in DATA_KEYS
+    from omegaconf import OmegaConf
+
+    from bebop_megatron.training.resume import compare_configs
+
+    saved = OmegaConf.to_container(OmegaConf.structured(load_config(None, ["data.format=auto"])))
+    refused, _ = compare_configs(saved, load_config(None, ["data.format=slime"]))
+    assert refused == ["data.format 'auto' -> 'slime'"]
