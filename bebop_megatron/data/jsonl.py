@@ -7,8 +7,15 @@ Accepted lines (other keys, e.g. ``id``, are ignored):
 - ``{"prompt": ..., "response": ...}``: ``prefix + encode(prompt) + encode(response)``, the
   two strings tokenized separately so the mask boundary is exact; the response is trained.
 - ``{"text": ...}``: ``prefix + encode(text)``, all trained.
+- Token ids (:func:`encode_ids`, no tokenizer involved): ``{"input_ids", "loss_mask"}``,
+  ``{"input_ids", "labels"}`` (-100: not trained), ``{"input_ids"}`` or ``{"prompt_ids",
+  "response_ids"}``, taken as they are (no BOS/EOS added), ids checked against the model's
+  vocabulary; they win over text fields on the same line.
 
-``prefix`` is the tokenizer's BOS when it starts sequences with one. Every document ends
+The same records come from Parquet rows and the RL frameworks' rollout dumps
+(:mod:`bebop_megatron.data.records`, ``data.format``).
+
+``prefix`` is the tokenizer's BOS when it starts sequences with one. Every text document ends
 with EOS (added unless the rendering already ends with it); the EOS is trained when the
 token before it is. With ``train_on="all"`` every token is trained.
 
