@@ -43,8 +43,9 @@ from tqdm import tqdm
 from bebop_megatron.data.errors import (
     DataError, LineError, SkipReport, is_rank0, log_rank0, malformed_json, warn_rank0,
 )
-from bebop_megatron.data import records
-from bebop_megatron.data.records import RAW_PROMPT
+from bebop_megatron.data.records import (
+    RAW_PROMPT, check_format, describe_layout, file_kind, iter_parquet, iter_torch, location, resolve, to_generic, unit,
+)
 from bebop_megatron.data.tokenizer import Tokenizer, describe
 
 _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
@@ -282,18 +283,18 @@ def tokenize_jsonl(
     ``vocab_size`` (``vocab_what`` names it in errors; None: the tokenizer's). Logs documents,
     tokens and tokens/s at the end; warns once with the skip summary.
     """
-    records.check_format(data_format)
-    kind = records.file_kind(path)
+    check_format(data_format)
+    kind = file_kind(path)
     if vocab_size is None:
         vocab_size, vocab_what = tokenizer.vocab_size, f"{describe(tokenizer)}'s vocab_size"
-    stats, report = FileStats(), SkipReport(path, records.unit(kind))
+    stats, report = FileStats(), SkipReport(path, unit(kind))
     start = time.perf_counter()
     bar = tqdm(total=os.path.getsize(path), unit="B", unit_scale=True, desc=f"tokenizing {os.path.basename(path)}",
                disable=True if not (progress and is_rank0() and kind == "jsonl") else None, leave=False)  # None: TTY only
     if kind == "jsonl":
         items = _jsonl_records(path, bar)
     else:
-        items = enumerate(records.iter_parquet(path) if kind == "parquet" else records.iter_torch(path))
+        items = enumerate(iter_parquet(path) if kind == "parquet" else iter_torch(path))
     layout = None
     with bar:
         for n, obj in items:
@@ -302,18 +303,18 @@ def tokenize_jsonl(
                 if isinstance(obj, LineError):
                     raise obj
                 if layout is None:
-                    layout = records.resolve(data_format, obj, kind)
+                    layout = resolve(data_format, obj, kind)
                     if layout != "generic" or data_format != "auto":
-                        log(records.describe_layout(path, layout, data_format))
-                ids, trained = encode_record(records.to_generic(obj, layout), tokenizer, train_on, vocab_size,
+                        log(describe_layout(path, layout, data_format))
+                ids, trained = encode_record(to_generic(obj, layout), tokenizer, train_on, vocab_size,
                                              vocab_what)
             except LineError as err:
                 if on_error != "skip":
-                    raise DataError(f"{records.location(path, kind, n)}: {err.message}") from None
+                    raise DataError(f"{location(path, kind, n)}: {err.message}") from None
                 report.add(err.reason, n)
                 continue
             except DataError as err:  # a setup problem (e.g. no chat template): fatal either way
-                raise DataError(f"{records.location(path, kind, n)}: {err}") from None
+                raise DataError(f"{location(path, kind, n)}: {err}") from None
             stats.num_documents += 1
             stats.num_tokens += len(ids)
             stats.num_trained += sum(trained[1:])
@@ -322,12 +323,12 @@ def tokenize_jsonl(
     stats.skipped = dict(report.counts)
     if stats.num_lines == 0:
         what = "JSON lines" if kind == "jsonl" else ("rows" if kind == "parquet" else "samples")
-        raise DataError(f"{records.location(path, kind, 1 if kind == 'jsonl' else 0)}: the file has no {what} "
+        raise DataError(f"{location(path, kind, 1 if kind == 'jsonl' else 0)}: the file has no {what} "
                         "(it is empty or blank)")
     if report.total:
         warn_rank0(report.summary(stats.num_lines))
     if stats.num_documents == 0:
-        raise DataError(f"{records.location(path, kind, 1 if kind == 'jsonl' else 0)}: no usable {report.unit} "
+        raise DataError(f"{location(path, kind, 1 if kind == 'jsonl' else 0)}: no usable {report.unit} "
                         f"(all {stats.num_lines} {report.unit}s were skipped)")
     log(f"{path}: {stats.num_documents} documents, {stats.num_tokens} tokens ({stats.num_trained} trained) "
         f"in {stats.seconds:.2f} s ({stats.num_tokens / max(stats.seconds, 1e-9):,.0f} tokens/s)")
