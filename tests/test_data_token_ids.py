@@ -161,3 +161,21 @@ def test_fingerprint_covers_token_id_files_and_the_format_key(tmp_path):
     saved = OmegaConf.to_container(OmegaConf.structured(load_config(None, ["data.format=auto"])))
     refused, _ = compare_configs(saved, load_config(None, ["data.format=slime"]))
     assert refused == ["data.format 'auto' -> 'slime'"]
+
+
+def test_retokenize_study_classifies_the_first_difference():
+    """benchmarks/real_model/retokenize_study.py's classification, on hand-made id sequences
+    (prompt of 3 ids; 9 is a special token)."""
+    import importlib.util
+
+    from tests.helpers.launch import REPO
+
+    spec = importlib.util.spec_from_file_location("retokenize_study", REPO / "benchmarks" / "real_model" / "retokenize_study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    sampled, specials = [1, 2, 3, 4, 5, 9], {9}
+    assert study.classify(sampled, 3, sampled + [7, 9], specials) == "round-trips"  # the template's tail after it
+    assert study.classify(sampled, 3, [1, 2, 3, 45, 9], specials) == "boundary"  # 4 and 5 merged at the boundary
+    assert study.classify(sampled, 3, [1, 2, 3, 4, 6, 9], specials) == "mid-text"
+    assert study.classify(sampled, 3, [1, 2, 3, 4, 5, 8], specials) == "special"  # a dropped special token
+    assert study.classify(sampled, 3, [1, 2, 8, 4, 5, 9], specials) == "prompt"
