@@ -26,7 +26,9 @@ setup(
         "psutil",  # Megatron's dist-checkpointing writer workers need it
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3.8", "tensorboard", "wandb"],  # the logging tests write both
+        # the logging tests write tensorboard and wandb logs; the Parquet tests read Parquet
+        "test": ["pytest>=8", "pytest-xdist>=3.8", "tensorboard", "wandb", "pyarrow"],
+        "parquet": ["pyarrow"],  # Parquet training data (a ~55 MB wheel, so not a base dependency)
         "tensorboard": ["tensorboard"],
         # apex is optional and not listed: build it from its own source if you want it.
         "gpu": ["transformer-engine[pytorch]"],

@@ -53,6 +53,7 @@ class FakeServer:
         self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
         self.delay = delay
+        self.return_ids = False  # answer with vLLM's prompt_token_ids and choices[0].token_ids
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -108,11 +109,15 @@ class FakeServer:
             text = {"same": "same answer", "surrogate": "half a pair \ud800"}.get(message,
                                                                                   f"{message} reply {seed % 1000}")
             reason = "length" if body["max_tokens"] < 4 else "stop"
-            handler.reply(200, {"id": "x", "object": "chat.completion", "model": body["model"],
-                                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                             "finish_reason": reason}],
-                                "usage": {"prompt_tokens": 3, "completion_tokens": len(text.split()),
-                                          "total_tokens": 3 + len(text.split())}})
+            answer = {"id": "x", "object": "chat.completion", "model": body["model"],
+                      "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                   "finish_reason": reason}],
+                      "usage": {"prompt_tokens": 3, "completion_tokens": len(text.split()),
+                                "total_tokens": 3 + len(text.split())}}
+            if self.return_ids and body.get("return_token_ids"):  # as vLLM answers: ids of the byte tokenizer
+                answer["prompt_token_ids"] = [257, *message.encode()]
+                answer["choices"][0]["token_ids"] = [*text.encode(), 258]
+            handler.reply(200, answer)
         finally:
             with self.lock:
                 self.in_flight -= 1
@@ -160,6 +165,29 @@ def test_endpoint_answers(tmp_path, capsys, server):
         ("tiny-served", 0.7, 0.9, 50, 1)
     # It trains as is: the project's JSONL reader takes every line.
     assert len(read_jsonl(str(out), ByteTokenizer(), progress=False, log=lambda _: None)) == 6
+
+
+@pytest.mark.parametrize("return_ids", [True, False])
+def test_endpoint_token_ids_recorded_or_one_warning(tmp_path, capsys, server, return_ids):
+    server.return_ids = return_ids
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hello"}, {"id": "b", "prompt": "hi"}])
+    out = tmp_path / "out.jsonl"
+    status, _, stderr = run_tool(capsys, "--prompts", prompts, "--out", out, "--endpoint", server.url, "--n", 2, *FAST)
+    assert status == 0 and all(body["return_token_ids"] is True for body in server.bodies)
+    records = read_out(out)
+    warning = f"warning: {server.url} returns no token ids"
+    if return_ids:
+        assert warning not in stderr
+        rec = records[('"a"', 1)]
+        text = rec["messages"][-1]["content"]
+        assert (rec["prompt_ids"], rec["response_ids"]) == ([257, *b"hello"], [*text.encode(), 258])
+        # Training reads the ids (an id the text would not give: 258 = the byte tokenizer's EOS, as sampled).
+        docs = read_jsonl(str(out), ByteTokenizer(), progress=False, log=lambda _: None)
+        assert sorted(docs.get(j)[0].tolist() for j in range(4)) == \
+            sorted(r["prompt_ids"] + r["response_ids"] for r in records.values())
+    else:
+        assert stderr.count(warning) == 1 and "writing the text only" in stderr
+        assert all("response_ids" not in r and "prompt_ids" not in r for r in records.values())
 
 
 def test_endpoint_failures_and_retries(tmp_path, capsys, server):

@@ -74,8 +74,9 @@ HF_PROMPTS = [
 
 
 @torch.inference_mode()
-def reference_sample(model, tok, messages, seed, temperature, top_p, max_new_tokens, eos_id) -> tuple[str, str, int]:
-    """One sample by a plain loop: batch of one, no padding, no KV cache, float64 sampling."""
+def reference_sample(model, tok, messages, seed, temperature, top_p, max_new_tokens, eos_id, ids_too=False):
+    """One sample by a plain loop: batch of one, no padding, no KV cache, float64 sampling:
+    ``(text, finish_reason, num_tokens)`` (``+ (prompt ids, sampled ids)`` with ``ids_too``)."""
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     gen, new = torch.Generator().manual_seed(seed), []
@@ -94,8 +95,8 @@ def reference_sample(model, tok, messages, seed, temperature, top_p, max_new_tok
         token = next(i for i in range(len(p)) if (cum := cum + kept[i]) > target)
         new.append(token)
         if token == eos_id:
-            return tok.decode(new[:-1], skip_special_tokens=True), "stop", len(new)
-    return tok.decode(new, skip_special_tokens=True), "length", len(new)
+            return (tok.decode(new[:-1], skip_special_tokens=True), "stop", len(new)) + ((ids, new) if ids_too else ())
+    return (tok.decode(new, skip_special_tokens=True), "length", len(new)) + ((ids, new) if ids_too else ())
 
 
 def test_hf_samples_match_plain_loop_across_batch_sizes_and_resume(tmp_path, capsys, hf_model):
@@ -120,14 +121,16 @@ def test_hf_samples_match_plain_loop_across_batch_sizes_and_resume(tmp_path, cap
         key = json.dumps(prompt["id"])
         messages = prompt.get("messages") or [{"role": "user", "content": prompt["prompt"]}]
         for j in range(3):
-            text, reason, num = reference_sample(model, tok, messages, sample_seed(5, key, j), 0.8, 0.9, 12,
-                                                 tok.eos_token_id)
+            text, reason, num, prompt_ids, sampled = reference_sample(model, tok, messages, sample_seed(5, key, j), 0.8,
+                                                                      0.9, 12, tok.eos_token_id, ids_too=True)
             if not text.strip():  # an empty response is not written
                 assert (key, j) not in records
                 continue
             rec = records[(key, j)]
             assert rec["messages"] == messages + [{"role": "assistant", "content": text}], (key, j)
             assert (rec["finish_reason"], rec["num_tokens"]) == (reason, num), (key, j)
+            # The sampled ids, exactly (the EOS included when it stopped), next to the text.
+            assert (rec["prompt_ids"], rec["response_ids"]) == (prompt_ids, sampled), (key, j)
     assert records[('"mid"', 0)]["source"] == "math"
 
     # Resume with another batch size: only the missing samples, the same texts.
@@ -157,12 +160,15 @@ def test_hf_length_n_greedy_and_jsonl_reader(tmp_path, capsys, hf_model):
         assert rec["num_tokens"] == 3 if rec["finish_reason"] == "length" else 1 <= rec["num_tokens"] <= 3
     assert any(r["finish_reason"] == "length" for r in records.values())
 
-    # The project's JSONL reader takes the file and trains on the responses.
+    # The project's JSONL reader takes the file and trains on the sampled ids (no re-tokenization).
     tokenizer = HFTokenizer(str(hf_model))
     docs = read_jsonl(str(out), tokenizer, progress=False, log=lambda _: None)
     assert len(docs) == len(records)
     for j, rec in enumerate(records.values()):
         tokens, trained = docs.get(j)
+        assert tokens.tolist() == rec["prompt_ids"] + rec["response_ids"]
+        assert trained.tolist() == [0] * len(rec["prompt_ids"]) + [1] * len(rec["response_ids"])
+        assert len(rec["response_ids"]) == rec["num_tokens"]
         assert rec["messages"][-1]["content"] in tokenizer.decode(tokens[trained.astype(bool)])
 
     # Greedy: the n samples of a prompt are identical, so --dedupe-responses keeps one.

@@ -12,9 +12,11 @@ Prompt lines: {"id": ..., "prompt": "text"} or {"id": ..., "messages": [{"role":
 "content": ...}, ...]}; "id" is optional (default: a hash of the messages) and other fields
 (e.g. "source") are copied to the output; a data line's answer (a "response" field, a last
 message from the assistant) is refused: the output could not train. Each output line is one sample,
-{"id", "sample", "messages": [...prompt, {"role": "assistant", "content"}], "finish_reason",
-"num_tokens", ...}, which trains as is: data.train_files=[onpolicy.jsonl] with the same
-model's tokenizer as data.tokenizer.
+{"id", "sample", "messages": [...prompt, {"role": "assistant", "content"}], "prompt_ids",
+"response_ids", "finish_reason", "num_tokens", ...}, which trains as is: data.train_files=[onpolicy.jsonl]
+with the same model's tokenizer as data.tokenizer. "prompt_ids"/"response_ids" are the ids the model
+was given and sampled (always with --hf-dir; from an --endpoint that returns them, as vLLM does for
+"return_token_ids", else one warning and text only); training uses them instead of the text.
 
 Run the same command again to resume: samples already in --out are skipped (a truncated
 last line from an interrupted write is cut away), and every sample is appended and flushed

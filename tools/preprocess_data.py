@@ -1,4 +1,4 @@
-"""Tokenize JSONL files into a Megatron indexed dataset, with the loss mask stored alongside.
+"""Tokenize JSONL or Parquet files (or rollout dumps) into a Megatron indexed dataset, with the loss mask stored alongside.
 
     python tools/preprocess_data.py --input a.jsonl b.jsonl --output-prefix data/train \
         [--tokenizer HF_TOKENIZER_DIR] [--train-on response|all] [--on-error fail|skip] [--overwrite]
@@ -18,10 +18,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="JSONL lines: {\"messages\": [{\"role\", \"content\"}, ...]}, {\"prompt\", \"response\"} or "
-        "{\"text\"}.\nBad lines stop the run with PATH:LINE: ... (exit status 2) unless --on-error skip.",
+        epilog="JSONL lines / Parquet rows: {\"messages\": [{\"role\", \"content\"}, ...]}, {\"prompt\", \"response\"}, "
+        "{\"text\"},\n{\"input_ids\", \"loss_mask\" or \"labels\"} or {\"prompt_ids\", \"response_ids\"} (ids below the "
+        "tokenizer's vocab_size: give\n--tokenizer of the model they come from). Bad lines stop the run with PATH:LINE: ... "
+        "(exit status 2)\nunless --on-error skip.",
     )
-    parser.add_argument("--input", nargs="+", required=True, metavar="JSONL", help="input JSONL files, in order")
+    parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
+                        help="input JSONL, Parquet (pip install 'bebop_megatron[parquet]') or slime .pt files, in order")
+    parser.add_argument("--format", choices=("auto", "generic", "verl", "openrlhf", "slime"), default="auto",
+                        help="layout of the records (as data.format; default auto: detected per file)")
     parser.add_argument("--output-prefix", required=True, metavar="PREFIX",
                         help="writes PREFIX.bin/.idx, PREFIX_lossmask.bin/.idx and PREFIX_meta.json")
     parser.add_argument("--tokenizer", metavar="DIR", default=None,
@@ -42,7 +47,8 @@ def main(argv=None) -> None:
     from bebop_megatron.data.preprocess import preprocess
 
     preprocess(args.input, args.output_prefix, tokenizer_dir=args.tokenizer, train_on=args.train_on,
-               on_error=args.on_error, progress=not args.no_progress, overwrite=args.overwrite)
+               on_error=args.on_error, progress=not args.no_progress, overwrite=args.overwrite,
+               data_format=args.format)
 
 
 if __name__ == "__main__":

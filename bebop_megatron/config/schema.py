@@ -228,12 +228,22 @@ class DataConfig:
     """Training sources; empty = the built-in synthetic data. Each entry is a path or
     ``{path: ..., weight: ...}`` (a blend: documents are drawn in proportion to the weights;
     give a weight for every entry or for none). A path is a JSONL file (``messages``,
-    ``prompt``/``response`` or ``text`` per line) or a Megatron indexed dataset written by
+    ``prompt``/``response`` or ``text`` per line, or token ids: see ``format``), a Parquet file
+    (the same fields as columns; needs ``pip install 'bebop_megatron[parquet]'``), a slime rollout
+    dump (``.pt``) or a Megatron indexed dataset written by
     ``tools/preprocess_data.py`` (``PREFIX``, ``PREFIX.bin`` or ``PREFIX.idx``). Relative
     paths are relative to the working directory. Without weights the files form one corpus.
     A single entry may be given without the list (``data.train_files=PATH``)."""
     valid_files: list[Any] = field(default_factory=list)
     """Validation sources, same form as ``train_files``; empty = no validation data."""
+    format: str = "auto"
+    """Layout of the records of the ``train_files``/``valid_files`` that are files (JSONL, Parquet
+    or a slime torch dump): ``generic`` (``messages``, ``prompt``/``response``, ``text``, or token
+    ids: ``input_ids`` with ``loss_mask`` or ``labels``, ``prompt_ids``/``response_ids``),
+    ``verl`` (rollout dumps: ``input``/``output``), ``openrlhf`` (batch_inference output:
+    ``input``/``output``), ``slime`` (saved rollout samples: ``tokens``, ``response_length``,
+    ``loss_mask``); ``auto`` detects it per file from the first record and logs one line naming
+    a non-generic layout. Token ids must lie below ``model.vocab_size``."""
     tokenizer: Optional[str] = None
     """Local Hugging Face tokenizer directory (loaded without network access); None = the
     built-in byte-level tokenizer (UTF-8 bytes plus a few special tokens)."""

@@ -1,7 +1,7 @@
 """The ``data`` section's checks: value choices, the tokenizer directory and the source lists.
 
 ``data.train_files`` / ``data.valid_files`` entries are a path or ``{path, weight}``. A path
-is a JSONL file, or a Megatron indexed dataset given as ``PREFIX``, ``PREFIX.bin`` or
+is a JSONL, Parquet or slime (``.pt``) file read record by record (kind ``jsonl``), or a Megatron indexed dataset given as ``PREFIX``, ``PREFIX.bin`` or
 ``PREFIX.idx`` (``PREFIX.bin`` and ``PREFIX.idx`` must both exist); a single entry may be given
 without the list (:func:`single_source_as_list`). :func:`parse_sources`
 turns the entries into :class:`SourceSpec` records; the data package reads them from there,
@@ -20,6 +20,7 @@ from bebop_megatron.config.errors import ConfigError
 TRAIN_ON = ("response", "all")
 ON_ERROR = ("fail", "skip")
 OVERLONG = ("truncate", "drop")
+FORMATS = ("auto", "generic", "verl", "openrlhf", "slime")  # bebop_megatron.data.records.FORMATS
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ def tokenizer_dir_problem(path: str) -> str | None:
 def validate_data(cfg) -> None:
     """The ``data`` part of :func:`bebop_megatron.config.validate`."""
     d = cfg.data
-    for name, choices in (("train_on", TRAIN_ON), ("on_error", ON_ERROR), ("overlong", OVERLONG)):
+    for name, choices in (("train_on", TRAIN_ON), ("on_error", ON_ERROR), ("overlong", OVERLONG),
+                          ("format", FORMATS)):
         value = getattr(d, name)
         if value not in choices:
             raise ConfigError(f"data.{name}={value!r} must be one of {', '.join(choices)}")

@@ -7,7 +7,7 @@
                            micro_batch_size=..., dp_rank=..., dp_size=...)
 
 Every rank calls these with the same config and gets the same datasets (no communication):
-JSONL files are tokenized on each rank (use ``tools/preprocess_data.py`` for large corpora);
+JSONL, Parquet and rollout-dump files are read on each rank (use ``tools/preprocess_data.py`` for large corpora);
 indexed datasets are memory-mapped and only their lengths are read up front. User errors
 (bad lines, a missing mask file, a tokenizer that does not match an indexed dataset or the
 model) are :class:`DataError` (a ``ValueError``: one line, exit status 2 from the CLI),
@@ -127,7 +127,8 @@ def _build_packed(cfg, specs: list[SourceSpec], tokenizer, *, shuffle, name, log
 def _open_source(spec: SourceSpec, tokenizer: Tokenizer, cfg, log: Log, progress: bool):
     if spec.kind == "jsonl":
         return read_jsonl(spec.path, tokenizer, train_on=cfg.data.train_on, on_error=cfg.data.on_error,
-                          log=log, progress=progress)
+                          log=log, progress=progress, vocab_size=cfg.model.vocab_size,
+                          data_format=cfg.data.format)
     source = IndexedSource(spec.path, spec.field)
     written = {k: source.meta.get(k) for k in ("vocab_size", "eos_id", "pad_id")}
     if written != signature(tokenizer):

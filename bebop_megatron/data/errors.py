@@ -59,8 +59,8 @@ def warn_rank0(message: str) -> None:
 class SkipReport:
     """Counts skipped lines per reason (with the first line of each) for one file."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, unit: str = "line"):
+        self.path, self.unit = path, unit
         self.counts: Counter[str] = Counter()
         self.first_line: dict[str, int] = {}
 
@@ -74,6 +74,6 @@ class SkipReport:
 
     def summary(self, num_lines: int) -> str:
         parts = ", ".join(
-            f"{n} {reason} (first: line {self.first_line[reason]})" for reason, n in sorted(self.counts.items())
+            f"{n} {reason} (first: {self.unit} {self.first_line[reason]})" for reason, n in sorted(self.counts.items())
         )
-        return f"{self.path}: skipped {self.total} of {num_lines} lines (data.on_error=skip): {parts}"
+        return f"{self.path}: skipped {self.total} of {num_lines} {self.unit}s (data.on_error=skip): {parts}"

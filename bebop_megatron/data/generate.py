@@ -13,7 +13,14 @@ optional ``id`` (string or integer) defaults to a hash of the messages, and any 
 reads)::
 
     {"id": ID, "sample": j, "messages": [...prompt..., {"role": "assistant", "content": TEXT}],
+     "prompt_ids": [...], "response_ids": [...],
      "finish_reason": "stop" | "length", "num_tokens": N, ...carried fields}
+
+``prompt_ids`` (the chat-template rendering the model was given) and ``response_ids`` (the ids
+it sampled, its end-of-turn token included when it stopped) are written when the backend knows
+them: always with transformers, with a server that returns them (vLLM's ``return_token_ids``).
+The trainer reads the ids in preference to the text, so a sample trains on exactly the tokens
+the policy emitted (decoding and re-encoding does not give them back in general).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from tqdm import tqdm
 from bebop_megatron.data.errors import DataError, malformed_json
 
 # Output keys a prompt line may not carry as an extra field (they would be overwritten).
-RESERVED_FIELDS = ("sample", "finish_reason", "num_tokens")
+RESERVED_FIELDS = ("sample", "finish_reason", "num_tokens", "prompt_ids", "response_ids")
 
 
 @dataclass
@@ -59,6 +66,8 @@ class Completion:
     text: str
     finish_reason: str  # "stop" (end of turn) or "length" (max_new_tokens reached)
     num_tokens: int  # generated tokens, the end-of-turn token included
+    prompt_ids: Optional[list[int]] = None  # the ids the model was given (chat template, generation prompt)
+    response_ids: Optional[list[int]] = None  # the ids it sampled, the end-of-turn token included; None: unknown
 
 
 @dataclass
@@ -303,8 +312,10 @@ class Summary:
 
 def output_record(job: Job, result: Completion) -> dict:
     messages = job.prompt.messages + [{"role": "assistant", "content": result.text}]
-    return {"id": job.prompt.id, "sample": job.sample, "messages": messages, "finish_reason": result.finish_reason,
-            "num_tokens": result.num_tokens, **job.prompt.extra}
+    ids = {} if result.response_ids is None or result.prompt_ids is None else {
+        "prompt_ids": result.prompt_ids, "response_ids": result.response_ids}
+    return {"id": job.prompt.id, "sample": job.sample, "messages": messages, **ids,
+            "finish_reason": result.finish_reason, "num_tokens": result.num_tokens, **job.prompt.extra}
 
 
 def run_generation(backend: Backend, jobs: list[Job], out_path: str, existing: ExistingOutput, *,

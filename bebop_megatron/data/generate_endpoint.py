@@ -1,7 +1,9 @@
 """Generation backend: an OpenAI-compatible chat-completions server (vLLM, SGLang, ...).
 
 One ``POST {URL}/v1/chat/completions`` per sample (``n=1``, the sample's own ``seed``, so a
-server that honours per-request seeds reproduces it), ``--concurrency`` requests in flight
+server that honours per-request seeds reproduces it; ``return_token_ids``, so that vLLM returns
+the prompt's and the sampled ids, recorded next to the text; a server that returns none gets one
+warning and text-only samples), ``--concurrency`` requests in flight
 on daemon threads, standard library HTTP only. A request is retried with exponential
 backoff on connection errors, timeouts, HTTP 429 and 5xx; any other HTTP error, and an
 answer that is not the expected JSON, fails the sample at once with a one-line reason.
@@ -13,6 +15,7 @@ import http.client
 import json
 import queue
 import random
+import sys
 import threading
 import time
 import urllib.error
@@ -61,7 +64,17 @@ def parse_completion(raw: bytes) -> Union[Completion, Failure]:
         return Failure(f"unexpected finish_reason {reason!r} (expected 'stop' or 'length')")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
         return Failure(f"malformed answer, usage.completion_tokens is {json.dumps(num_tokens)}")
-    return Completion(text, reason, num_tokens)
+    # The sampled ids, where the server returns them (vLLM with return_token_ids: the top level's
+    # prompt_token_ids and the choice's token_ids; some servers name the latter response_token_ids).
+    prompt_ids = obj.get("prompt_token_ids", choice.get("prompt_token_ids"))
+    response_ids = choice.get("token_ids", choice.get("response_token_ids"))
+    if not (_is_ids(prompt_ids) and _is_ids(response_ids) and response_ids):
+        prompt_ids = response_ids = None
+    return Completion(text, reason, num_tokens, prompt_ids=prompt_ids, response_ids=response_ids)
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
 class EndpointBackend:
@@ -74,6 +87,7 @@ class EndpointBackend:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.concurrency, self.timeout, self.retries, self.backoff = concurrency, timeout, retries, backoff
+        self.warned_no_ids = False
         self.model = model or self.first_model()
 
     def first_model(self) -> str:
@@ -123,11 +137,17 @@ class EndpointBackend:
     def complete(self, job: Job, stop: Optional[threading.Event] = None) -> Union[Completion, Failure]:
         body = {"model": self.model, "messages": job.prompt.messages, "temperature": self.temperature,
                 "top_p": self.top_p, "max_tokens": self.max_new_tokens, "n": 1,
-                "seed": job.seed & 0x7FFFFFFF}  # 31 bits: some servers keep the seed in an int32
+                "seed": job.seed & 0x7FFFFFFF,  # 31 bits: some servers keep the seed in an int32
+                "return_token_ids": True}  # vLLM: the sampled ids; servers that do not know it ignore it
         try:
-            return parse_completion(self.request("/v1/chat/completions", body, stop))
+            result = parse_completion(self.request("/v1/chat/completions", body, stop))
         except RequestFailed as err:
             return Failure(str(err))
+        if isinstance(result, Completion) and result.response_ids is None and not self.warned_no_ids:
+            self.warned_no_ids = True  # once per run: the answers of one server all look alike
+            print(f"warning: {self.base} returns no token ids (prompt_token_ids and choices[0].token_ids, as vLLM "
+                  "does for return_token_ids): writing the text only, which training re-tokenizes", file=sys.stderr)
+        return result
 
     def generate(self, jobs: list[Job]) -> Iterator[tuple[Job, Union[Completion, Failure]]]:
         """Results in completion order. The workers are daemon threads, so Ctrl-C (raised in

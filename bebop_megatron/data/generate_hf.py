@@ -143,9 +143,11 @@ class HFBackend:
         sampler = _RowSampler([job.seed for job, _ in batch], self.temperature, self.top_p)
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                   generation_config=self.gen_config, logits_processor=LogitsProcessorList([sampler]))
-        for (job, _), new in zip(batch, out[:, length:].tolist()):
+        for (job, prompt), new in zip(batch, out[:, length:].tolist()):
             stop = next((i for i, token in enumerate(new) if token in self.eos_ids), None)
             # generate() ends a row at its EOS (and pads it); a row without one ran to max_new_tokens.
             tokens = new if stop is None else new[:stop]
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            yield job, Completion(text, "length" if stop is None else "stop", len(new) if stop is None else stop + 1)
+            sampled = new if stop is None else new[: stop + 1]  # the ids as sampled, the EOS included
+            yield job, Completion(text, "length" if stop is None else "stop", len(sampled),
+                                  prompt_ids=list(prompt), response_ids=sampled)

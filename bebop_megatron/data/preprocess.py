@@ -1,4 +1,4 @@
-"""Tokenize JSONL files once into an indexed dataset (the logic of ``tools/preprocess_data.py``).
+"""Tokenize JSONL / Parquet / rollout-dump files once into an indexed dataset (the logic of ``tools/preprocess_data.py``).
 
 The output is read back by ``data.train_files: [PREFIX]`` without re-tokenizing and gives
 exactly the rows the JSONL files give with the same tokenizer, ``train_on`` and seed.
@@ -29,10 +29,13 @@ def preprocess(
     log: Callable[[str], None] = log_rank0,
     progress: bool = True,
     overwrite: bool = False,
+    data_format: str = "auto",
 ) -> dict:
     """Write ``output_prefix`` (.bin/.idx, _lossmask.bin/.idx, _meta.json); returns the sidecar.
 
-    Documents are stored in input order, one sequence each. Raises :class:`DataError` for
+    Documents are stored in input order, one sequence each. Token-id records are checked
+    against the tokenizer's ``vocab_size`` (the dataset records its signature): give the
+    ``tokenizer_dir`` of the model the ids come from. Raises :class:`DataError` for
     bad input (``PATH:LINE: ...``) and leaves no partial output behind. A dataset already at
     ``output_prefix`` is replaced only with ``overwrite``."""
     for path in inputs:
@@ -64,7 +67,7 @@ def preprocess(
     try:
         for path in inputs:
             stats = tokenize_jsonl(path, tokenizer, emit, train_on=train_on, on_error=on_error, log=log,
-                                   progress=progress)
+                                   progress=progress, data_format=data_format)
             files.append({"path": path, "documents": stats.num_documents, "tokens": stats.num_tokens,
                           "trained_tokens": stats.num_trained, "skipped": stats.skipped})
         meta = {

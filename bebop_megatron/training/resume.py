@@ -33,7 +33,7 @@ from bebop_megatron.training.fingerprint import backbone_record, data_record, sa
 from bebop_megatron.training.same_backbone import backbone_change
 
 METADATA_FILES = ("metadata.json", ".metadata")
-DATA_KEYS = ("train.seq_length", "data.train_files", "data.tokenizer", "data.train_on", "data.pack", "data.overlong",
+DATA_KEYS = ("train.seq_length", "data.train_files", "data.format", "data.tokenizer", "data.train_on", "data.pack", "data.overlong",
              "data.num_samples", "data.markov_branching", "data.markov_min_branching", "data.seed")
 """Fields that define the token rows and their order (``consumed_samples`` counts rows of them)."""
 SCHEDULE_KEYS = ("train.lr", "train.min_lr", "train.lr_schedule", "train.warmup_fraction", "train.weight_decay",
