@@ -39,6 +39,7 @@ SLOW_TESTS = {
     "test_losses_cold_start.py::test_nla_kinds_run_on_the_triton_kernel", "test_lk_triton.py::test_interpreted",
     "test_objective_study.py::test_study_dry_run", "test_objective_study.py::test_user_mistakes",
     "test_speculative.py::test_monte_carlo_acceptance_and_output_distribution",
+    "test_data_rollouts.py::test_a_head_trains_from",
 }
 
 

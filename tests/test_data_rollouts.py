@@ -17,6 +17,8 @@ token-id lines of tests/test_data_token_ids.py), and the detection is logged in 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -152,3 +154,28 @@ def test_bad_slime_dump_is_one_line(tmp_path, case):
     with pytest.raises(DataError) as err:
         read(path)
     assert str(err.value).startswith(words) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_head_trains_from_token_ids_in_parquet_as_from_text(tmp_path):
+    """End to end: the trainer (examples/pretrain_mtp.py, 3 steps, TP=1) on token-id records in a
+    Parquet file logs the losses of the same run on the text lines they came from."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.helpers.cli_batch import run_batch
+    from tests.helpers.launch import REPO
+    from tests.test_data_token_ids import TEXT, as_token_ids
+
+    text = write_jsonl(tmp_path / "text.jsonl", TEXT)
+    ids = tmp_path / "ids.parquet"
+    pq.write_table(pa.Table.from_pylist(as_token_ids(TEXT, "loss_mask")), ids)
+    common = ["--config", str(REPO / "examples" / "configs" / "tiny_jsonl_cpu.yaml"), "parallel.tensor=1",
+              "train.steps=3", "model.backbone_init=random", "data.valid_files=[]", "save.interval=0"]
+    calls = [{"tool": "pretrain_mtp", "argv": [*common, f"data.train_files=[{path}]", f"save.dir={tmp_path / name}",
+                                               f"logging.metrics_file={tmp_path / name}.jsonl"]}
+             for name, path in (("text", text), ("ids", ids))]
+    for proc in run_batch(calls, tmp_path / "batch"):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = {name: [json.loads(line)["train/loss"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()
+                     if "train/loss" in line] for name in ("text", "ids")}
+    assert len(losses["text"]) == 3 and losses["ids"] == losses["text"]
