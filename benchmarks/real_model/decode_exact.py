@@ -225,9 +225,8 @@ def spec_unit(args, units: Units, ckpt: Path, prompts: Path, loss: str, seed: in
     out.write_text(json.dumps(result, indent=1) + "\n")
     tmp.unlink()
     units.finished("spec", result["seconds"])
-    log(f"decode {loss} seed {seed}: measured {result['measured_accept_len']:.3f} "
-        f"[{result['ci95'][0]:.3f}, {result['ci95'][1]:.3f}], "
-        f"decode-exact {result['predicted_accept_len_decode']:.3f}, "
+    log(f"decode {loss} seed {seed}: measured {_ci(result['measured_accept_len'], result['ci95'])}, "
+        f"decode-exact {_ci(result['predicted_accept_len_decode'], result['predicted_decode_ci95'])}, "
         f"Eq. 12 {result['predicted_accept_len']:.3f} ({result['seconds']:.0f} s)")
 
 
@@ -249,7 +248,8 @@ def eval_unit(args, units: Units, ckpt: Path, data: Path, loss: str) -> None:
     units.finished("eval", seconds)
     entry = _eval_entry(out, args)
     g = args.gamma - 1
-    log(f"eval_acceptance --sample {loss}: decode-exact {entry['accept_len_decode_rs'][g]:.3f}, "
+    log(f"eval_acceptance --sample {loss}: decode-exact "
+        f"{_ci(entry['accept_len_decode_rs'][g], entry['accept_len_decode_rs_ci95'][g])}, "
         f"Eq. 12 {entry['accept_len_rs'][g]:.3f} ({seconds:.0f} s)")
 
 
@@ -349,6 +349,7 @@ def publish(rows: list[dict], args, text: str) -> None:
         if "sample" in r:
             metrics.update(decode_exact_sample=r["sample"], decode_exact_sample_ci_lo=r["sample_ci"][0],
                            decode_exact_sample_ci_hi=r["sample_ci"][1], eq12_sample=r["eq12_sample"])
+        metrics = {k: v for k, v in metrics.items() if v is not None}  # no interval where a value has none
         append_results(BENCHMARK, "cpu", params, metrics, torch.__version__)
 
 
