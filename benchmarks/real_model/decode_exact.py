@@ -22,7 +22,8 @@ finished stage or unit is skipped, so a re-run continues where a killed one stop
 4. measure, one unit at a time (seed 0 of every head first, then the forecasts, then the
    other seeds): real speculative decoding (``tools/speculative_generate.py``: rejection
    sampling, ``--gamma`` 3, T=``--temperature``) of the held-out prompts (the held-out data
-   file, its answers dropped: chat template, generation prompt), ``--max-new-tokens`` each,
+   file without its answers, ``heldout_prompts.jsonl``: chat template, generation prompt),
+   ``--max-new-tokens`` each,
    per seed: the measured accepted drafts per verification with its 95% interval, the
    decode-exact forecast from the same emitted texts (``predicted_accept_len_decode``,
    bootstrap over prompts) and Eq. 12 over every position;
@@ -180,6 +181,23 @@ def stage_train(args, meg: Path, data: Path, loss: str) -> Path:
         what=f"train {loss}")
     mark(run_dir, {"seconds": time.time() - t0})
     return run_dir / "ckpt"
+
+
+def heldout_prompts_file(data: Path) -> Path:
+    """The held-out data file as prompts (id and messages, the answer dropped): what speculative
+    decoding continues; the same prompts ``--sample`` takes from the data file."""
+    out = data / "heldout_prompts.jsonl"
+    if not out.is_file():
+        lines = []
+        for line in (data / "heldout.jsonl").read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                messages = rec["messages"][:-1] if rec["messages"][-1]["role"] == "assistant" else rec["messages"]
+                lines.append(json.dumps({"id": rec["id"], "messages": messages}, ensure_ascii=False))
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, out)
+    return out
 
 
 class Units:
@@ -364,7 +382,7 @@ def main(argv=None) -> None:
         data = stage_data(args)
         ckpts = {loss: stage_train(args, meg, data, loss) for loss in args.heads}
         log(f"stage 3 (train): {', '.join(args.heads)} done ({(time.time() - t0) / 60:.1f} min so far)")
-        prompts = data / "heldout.jsonl"  # speculative_generate drops the answers (the same file as --sample's)
+        prompts = heldout_prompts_file(data)
         units = Units(args)
         order = [("spec", loss, args.seeds[0]) for loss in args.heads] + [("eval", loss, None) for loss in args.heads]
         order += [("spec", loss, s) for s in args.seeds[1:] for loss in args.heads]
