@@ -95,6 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--publish", action="store_true",
                    help="the section in benchmarks/real_model/RESULTS.md and rows of benchmarks/results.csv")
     p.add_argument("--table-only", action="store_true", help="only the table, from the finished units")
+    p.add_argument("--note", default="", help="a sentence added to the table's description (e.g. what was reduced)")
     args = p.parse_args(argv)
     args.heads = [h.strip() for h in args.heads.split(",") if h.strip()]
     args.model_cache = Path(args.model_cache) if args.model_cache else models.cache_root() / SPEC.name
@@ -327,7 +328,8 @@ def table(rows: list[dict], args) -> str:
              "over prompts). `--sample`: `tools/eval_acceptance.py --sample` on the same held-out prompts "
              "(continuations sampled from the backbone at T, seed 0, one run per head: the same on every row of a "
              "head), its decode-exact E[L] (bootstrap over texts) and Eq. 12 over every position. Eq. 12, decoded "
-             "texts: Eq. 12 over every position of the speculative decoding's own texts.", "",
+             "texts: Eq. 12 over every position of the speculative decoding's own texts."
+             + (f" {args.note}" if args.note else ""), "",
              f"| head | seed | measured [95% CI] | decode-exact, same texts [CI] | eval_acceptance --sample "
              f"decode-exact [CI] | Eq. 12 (--sample) | Eq. 12 (decoded texts) | verifications counted / expected |",
              "|---|---|---|---|---|---|---|---|"]
