@@ -37,7 +37,8 @@ finished stage or unit is skipped, so a re-run continues where a killed one stop
    ``benchmarks/results.csv`` (benchmark ``real_model_decode_exact``).
 
 Every number of the table is read from the units' JSON files (``WORK/spec/<head>_seed<s>.json``,
-``WORK/eval/<head>/report.json``); ``--table-only`` rebuilds it from them without running anything.
+``WORK/eval/<head>/report.json``; ``spec_first<N>`` / ``eval_first<N>`` with
+``--num-decode-prompts N``); ``--table-only`` rebuilds it from them without running anything.
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--gamma", type=int, default=3)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=128, help="per held-out prompt, decoding and --sample")
+    p.add_argument("--num-decode-prompts", type=int, default=None, metavar="N",
+                   help="decode and --sample only the first N held-out prompts (default: all --num-heldout)")
     p.add_argument("--deadline", default=None, metavar="HH:MM",
                    help="UTC: start no measuring unit expected to end later")
     p.add_argument("--publish", action="store_true",
@@ -184,21 +187,33 @@ def stage_train(args, meg: Path, data: Path, loss: str) -> Path:
     return run_dir / "ckpt"
 
 
-def heldout_prompts_file(data: Path) -> Path:
-    """The held-out data file as prompts (id and messages, the answer dropped): what speculative
-    decoding continues; the same prompts ``--sample`` takes from the data file."""
-    out = data / "heldout_prompts.jsonl"
-    if not out.is_file():
-        lines = []
-        for line in (data / "heldout.jsonl").read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                messages = rec["messages"][:-1] if rec["messages"][-1]["role"] == "assistant" else rec["messages"]
-                lines.append(json.dumps({"id": rec["id"], "messages": messages}, ensure_ascii=False))
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        os.replace(tmp, out)
-    return out
+def measured_files(data: Path, n: int | None) -> tuple[Path, Path]:
+    """``(data file, prompts file)`` of the measured held-out prompts: the held-out data file (or
+    its first ``n`` lines), read by ``--sample``, and the same lines as prompts (id and messages,
+    the answer dropped), what speculative decoding continues (``read_prompts`` refuses
+    ``generate_responses``' output lines)."""
+    lines = [line for line in (data / "heldout.jsonl").read_text().splitlines() if line.strip()]
+    if n is not None:
+        lines = lines[:n]
+    suffix = "" if n is None else f"_first{n}"
+    data_file, prompts_file = data / f"heldout{suffix}.jsonl", data / f"heldout_prompts{suffix}.jsonl"
+    if n is not None and not data_file.is_file():
+        data_file.write_text("\n".join(lines) + "\n")
+    if not prompts_file.is_file():
+        out = []
+        for line in lines:
+            rec = json.loads(line)
+            messages = rec["messages"][:-1] if rec["messages"][-1]["role"] == "assistant" else rec["messages"]
+            out.append(json.dumps({"id": rec["id"], "messages": messages}, ensure_ascii=False))
+        tmp = prompts_file.with_suffix(".tmp")
+        tmp.write_text("\n".join(out) + "\n")
+        os.replace(tmp, prompts_file)
+    return data_file, prompts_file
+
+
+def unit_dir(args, kind: str) -> Path:
+    """``spec`` / ``eval`` results; their own folder per --num-decode-prompts."""
+    return args.work / (kind if args.num_decode_prompts is None else f"{kind}_first{args.num_decode_prompts}")
 
 
 class Units:
@@ -224,7 +239,7 @@ class Units:
 
 
 def spec_unit(args, units: Units, ckpt: Path, prompts: Path, loss: str, seed: int) -> None:
-    out = args.work / "spec" / f"{loss}_seed{seed}.json"
+    out = unit_dir(args, "spec") / f"{loss}_seed{seed}.json"
     if out.is_file():
         data = json.loads(out.read_text())
         units.finished("spec", data.get("seconds", 0.0))
@@ -249,8 +264,8 @@ def spec_unit(args, units: Units, ckpt: Path, prompts: Path, loss: str, seed: in
         f"Eq. 12 {result['predicted_accept_len']:.3f} ({result['seconds']:.0f} s)")
 
 
-def eval_unit(args, units: Units, ckpt: Path, data: Path, loss: str) -> None:
-    out = args.work / "eval" / loss
+def eval_unit(args, units: Units, ckpt: Path, data_file: Path, loss: str) -> None:
+    out = unit_dir(args, "eval") / loss
     if done(out):
         units.finished("eval", json.loads((out / ".complete").read_text()).get("seconds", 0.0))
         log(f"eval_acceptance --sample {loss}: already complete")
@@ -259,7 +274,7 @@ def eval_unit(args, units: Units, ckpt: Path, data: Path, loss: str) -> None:
         return
     t0 = time.time()
     run([*torchrun(1), REPO / "tools" / "eval_acceptance.py", "--checkpoint", ckpt,
-         "--data", data / "heldout.jsonl", "--sample", "--max-new-tokens", args.max_new_tokens,
+         "--data", data_file, "--sample", "--max-new-tokens", args.max_new_tokens,
          "--temperatures", args.temperature, "--gamma", args.gamma, "--device", "cpu", "--seed", 0,
          "--sim-positions", 0, "--no-speedup", "--no-progress", "--out-dir", out], what=f"eval_acceptance {loss}")
     seconds = time.time() - t0
@@ -284,10 +299,10 @@ def collect(args) -> list[dict]:
     """One row per (head, seed) with a finished decoding, the head's --sample forecast beside it."""
     rows, g = [], args.gamma - 1
     for loss in args.heads:
-        ev_dir = args.work / "eval" / loss
+        ev_dir = unit_dir(args, "eval") / loss
         ev = _eval_entry(ev_dir, args) if done(ev_dir) else None
         for seed in args.seeds:
-            path = args.work / "spec" / f"{loss}_seed{seed}.json"
+            path = unit_dir(args, "spec") / f"{loss}_seed{seed}.json"
             if not path.is_file():
                 continue
             r = json.loads(path.read_text())
@@ -384,7 +399,7 @@ def main(argv=None) -> None:
         data = stage_data(args)
         ckpts = {loss: stage_train(args, meg, data, loss) for loss in args.heads}
         log(f"stage 3 (train): {', '.join(args.heads)} done ({(time.time() - t0) / 60:.1f} min so far)")
-        prompts = heldout_prompts_file(data)
+        data_file, prompts = measured_files(data, args.num_decode_prompts)
         units = Units(args)
         order = [("spec", loss, args.seeds[0]) for loss in args.heads] + [("eval", loss, None) for loss in args.heads]
         order += [("spec", loss, s) for s in args.seeds[1:] for loss in args.heads]
@@ -393,10 +408,10 @@ def main(argv=None) -> None:
             if kind == "spec":
                 spec_unit(args, units, ckpts[loss], prompts, loss, seed)
             else:
-                eval_unit(args, units, ckpts[loss], data, loss)
+                eval_unit(args, units, ckpts[loss], data_file, loss)
     rows = collect(args)
     if not rows:
-        raise PrepareError(f"no finished decoding under {args.work / 'spec'}: run without --table-only first")
+        raise PrepareError(f"no finished decoding under {unit_dir(args, 'spec')}: run without --table-only first")
     text = table(rows, args)
     (args.work / "RESULTS.md").write_text(text + "\n")
     (args.work / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
