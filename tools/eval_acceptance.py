@@ -13,9 +13,16 @@ position then averaged (Eq. 12), analytic and from simulated chains
 entropy (binned, with fitted lines: Fig. 1a / Fig. 8), against temperature (Fig. 12a) and
 the RS-vs-target-only boundary d_TV < 1 - p(argmax q) (Fig. 13).
 
+Decode-exact forecast (:mod:`bebop_megatron.losses.decode_exact`): what speculative decoding
+will measure, the expected accepted drafts per verification from the acceptance given each
+realized token, with a bootstrap interval over texts; exact where the held-out text was sampled
+from this backbone at that temperature (``--sample``, ``--data-temperature``, or the data's
+``<file>.settings.json``), marked approximate otherwise. Acceptance by context-position bucket.
+
 Speed-up (:mod:`bebop_megatron.metrics.speedup`): per temperature and gamma,
 (1 + E[L](gamma)) / (1 + gamma * c_draft / c_target + overhead), and the recommended gamma
-(the best one; 0 when plain decoding is faster). The costs are measured on this machine with
+(the best one; 0 when plain decoding is faster), from the decode-exact E[L] where it is exact and
+Eq. 12 otherwise. The costs are measured on this machine with
 the checkpoint's model (medians of ``--cost-repeats`` timed forwards after warm-up, one
 sequence of ``--cost-context`` tokens, full prefix recomputed: no KV cache; on CPU one
 thread's CPU time, so that other load on a shared machine does not count), or given for your
