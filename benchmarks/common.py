@@ -136,3 +136,11 @@ def append_results(benchmark: str, device: str, params: dict, metrics: dict, tor
             w.writerow([stamp, machine, torch_version, version("megatron-core"), device, benchmark, param_str, metric,
                         value if isinstance(value, str) else f"{value:.6g}"])
     print(f"appended {len(metrics)} rows to {path}")
+
+
+def replace_marked_section(body: str, text: str, begin: str, end: str) -> str:
+    """``body`` (a RESULTS.md) with the section between the markers ``begin`` and ``end``
+    replaced by ``text`` (which carries the markers itself), appended when absent."""
+    if begin in body and end in body:
+        body = body[: body.index(begin)].rstrip() + "\n" + body[body.index(end) + len(end):].lstrip("\n")
+    return body.rstrip() + "\n\n" + text + "\n"

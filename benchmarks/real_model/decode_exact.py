@@ -356,19 +356,13 @@ def table(rows: list[dict], args) -> str:
     return "\n".join(lines + ["", END])
 
 
-def replace_section(body: str, text: str) -> str:
-    if BEGIN in body and END in body:
-        body = body[: body.index(BEGIN)].rstrip() + "\n" + body[body.index(END) + len(END):].lstrip("\n")
-    return body.rstrip() + "\n\n" + text + "\n"
-
-
 def publish(rows: list[dict], args, text: str) -> None:
     import torch
 
-    from common import append_results
+    from common import append_results, replace_marked_section
 
     dest = HERE / "RESULTS.md"
-    dest.write_text(replace_section(dest.read_text() if dest.is_file() else "", text))
+    dest.write_text(replace_marked_section(dest.read_text() if dest.is_file() else "", text, BEGIN, END))
     for r in rows:
         params = {"model": "SmolLM2-135M-Instruct", "head": r["head"], "seed": r["seed"], "gamma": r["gamma"],
                   "T": r["temperature"], "mode": "rs", "prompts": r["num_prompts"],

@@ -210,13 +210,10 @@ def table(rows: list[dict], args) -> str:
 def publish(rows: list[dict], args, text: str) -> None:
     import torch as _torch
 
-    from common import append_results
+    from common import append_results, replace_marked_section
 
     path = HERE / "RESULTS.md"
-    body = path.read_text() if path.exists() else ""
-    if BEGIN in body:
-        body = body[: body.index(BEGIN)].rstrip() + "\n" + body[body.index(END) + len(END):].lstrip("\n")
-    path.write_text(body.rstrip() + "\n\n" + text + "\n")
+    path.write_text(replace_marked_section(path.read_text() if path.exists() else "", text, BEGIN, END))
     for r in rows:
         params = {"model": "qwen2.5-coder-1.5b", "run": args.run, "gamma": r["gamma"], "T": r["temperature"],
                   "mode": "rs", "prompts": r["prompts"], "max_new_tokens": args.max_new_tokens,
