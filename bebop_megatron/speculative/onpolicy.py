@@ -76,9 +76,11 @@ def recorded_temperature(paths: list[str]) -> tuple[float | None, str]:
     """The temperature every data file's responses were sampled at, from its ``<file>.settings.json``
     (``tools/generate_responses.py``; full vocabulary, top-p 1, only), and a line saying where it
     comes from; ``(None, why not)`` when a file has no such record or they differ."""
+    from bebop_megatron.data.generate import settings_path
+
     temps = set()
     for path in paths:
-        settings = path + ".settings.json"
+        settings = settings_path(path)
         try:
             with open(settings, encoding="utf-8") as f:
                 record = json.load(f)
