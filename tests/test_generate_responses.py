@@ -399,8 +399,8 @@ def test_cli_errors(tmp_path, capsys):
         (imported / name).write_text("{}")
     cases.append((["--prompts", prompts, "--hf-dir", imported],
                   f"--hf-dir {imported} is a Megatron checkpoint imported by tools/convert_from_hf.py, not a Hugging "
-                  "Face model directory (config.json and *.safetensors): pass the Hugging Face model, e.g. the "
-                  "--hf-dir it was imported from, or serve the model and pass --endpoint"))
+                  "Face model directory (config.json and *.safetensors): pass it as --megatron, or the Hugging Face "
+                  "model, e.g. the --hf-dir it was imported from, or serve the model and pass --endpoint"))
     for args, message in cases:
         status, _, stderr = run_tool(capsys, *args, "--out", out)
         assert status == 2, (args, stderr)

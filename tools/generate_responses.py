@@ -8,6 +8,11 @@ r"""On-policy chat data: sample the model's own responses to a prompts file, as 
     python tools/generate_responses.py --prompts prompts.jsonl --out onpolicy.jsonl \
         --hf-dir /models/Qwen3-0.6B --batch-size 16 --max-new-tokens 1024 --seed 0
 
+    # the project's own batched sampler over the Megatron model (an import of
+    # tools/convert_from_hf.py, or a Hugging Face directory imported in memory); dense GQA models
+    python tools/generate_responses.py --prompts prompts.jsonl --out onpolicy.jsonl \
+        --megatron checkpoints/backbone --batch-size 64 --max-new-tokens 1024 --seed 0
+
 Prompt lines: {"id": ..., "prompt": "text"} or {"id": ..., "messages": [{"role": "user",
 "content": ...}, ...]}; "id" is optional (default: a hash of the messages) and other fields
 (e.g. "source") are copied to the output; a data line's answer (a "response" field, a last
@@ -15,7 +20,7 @@ message from the assistant) is refused: the output could not train. Each output 
 {"id", "sample", "messages": [...prompt, {"role": "assistant", "content"}], "prompt_ids",
 "response_ids", "finish_reason", "num_tokens", ...}, which trains as is: data.train_files=[onpolicy.jsonl]
 with the same model's tokenizer as data.tokenizer. "prompt_ids"/"response_ids" are the ids the model
-was given and sampled (always with --hf-dir; from an --endpoint that returns them, as vLLM does for
+was given and sampled (always with --hf-dir and --megatron; from an --endpoint that returns them, as vLLM does for
 "return_token_ids", else one warning and text only); training uses them instead of the text.
 
 Run the same command again to resume: samples already in --out are skipped (a truncated
@@ -31,8 +36,9 @@ the others go on, and the exit status is 1 if any failed (rerun to retry them); 
 arguments or a malformed prompt line stop the run with exit status 2.
 
 Seeds: sample j of prompt ID uses a seed derived from (--seed, ID, j) only. With --hf-dir
-the text is the same for any --batch-size, order or resume as long as the logits are (in
-fp32 they practically always are; see bebop_megatron/data/generate_hf.py); with
+or --megatron (the same sampler) the text is the same for any --batch-size, order or resume
+as long as the logits are (in fp32 they practically always are; see
+bebop_megatron/data/generate_hf.py); with
 --endpoint the seed is sent with the request (vLLM and SGLang honour it). Models with a
 reasoning parser: serve without it, so that the thinking stays in the message content.
 """
@@ -53,6 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="output JSONL (appended to; resumed if present); one run at a time (<out>.lock)")
     backend = parser.add_argument_group("backend (exactly one)")
     backend.add_argument("--hf-dir", metavar="DIR", help="local Hugging Face model directory (transformers)")
+    backend.add_argument("--megatron", metavar="DIR",
+                         help="the project's batched sampler over the Megatron model: an import of "
+                              "tools/convert_from_hf.py, or a Hugging Face directory imported in memory (dense "
+                              "GQA/MHA models with RoPE at TP=1; refused: MoE, MLA, Gated DeltaNet)")
     backend.add_argument("--endpoint", metavar="URL",
                          help="OpenAI-compatible server, e.g. http://localhost:8000 (with or without /v1)")
     sampling = parser.add_argument_group("sampling")
@@ -66,12 +76,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                           help="only the first N distinct prompts of the file")
     sampling.add_argument("--dedupe-responses", action="store_true",
                           help="drop a sample whose response equals an earlier sample of the same prompt")
-    hf = parser.add_argument_group("--hf-dir options")
+    hf = parser.add_argument_group("--hf-dir / --megatron options")
     hf.add_argument("--batch-size", type=int, default=8, metavar="B", help="samples per generate() call (default 8)")
     hf.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
     hf.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                     help="default auto: bf16 on CUDA, fp32 on CPU")
     hf.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    hf.add_argument("--cuda-graphs", action="store_true",
+                    help="--megatron on CUDA: replay the decode step as a CUDA graph (never run yet: written "
+                         "without a GPU)")
     ep = parser.add_argument_group("--endpoint options")
     ep.add_argument("--model", default=None, metavar="NAME",
                     help="model name to request (default: the first of GET /v1/models)")
@@ -99,17 +112,21 @@ def megatron_kind(path: str) -> str | None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Semantic checks, as ``ValueError`` (one ``error:`` line, exit status 2)."""
-    if (args.hf_dir is None) == (args.endpoint is None):
-        raise ValueError("pass exactly one backend: --hf-dir DIR or --endpoint URL"
-                         + (" (got both)" if args.hf_dir is not None else ""))
-    if args.hf_dir is not None and not os.path.isdir(args.hf_dir):
-        raise ValueError(f"--hf-dir {args.hf_dir}: not a directory")
+    given = [name for name in ("hf_dir", "megatron", "endpoint") if getattr(args, name) is not None]
+    if len(given) != 1:
+        raise ValueError("pass exactly one backend: --hf-dir DIR, --megatron DIR or --endpoint URL"
+                         + (f" (got {' and '.join('--' + g.replace('_', '-') for g in given)})" if given else ""))
+    for name in ("hf_dir", "megatron"):
+        if getattr(args, name) is not None and not os.path.isdir(getattr(args, name)):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: not a directory")
+    if args.cuda_graphs and (args.megatron is None or args.device != "cuda"):
+        raise ValueError("--cuda-graphs needs --megatron and --device cuda")
     if args.hf_dir is not None:  # transformers would suggest installing sentencepiece
         megatron = megatron_kind(args.hf_dir)
         if megatron:
             raise ValueError(f"--hf-dir {args.hf_dir} is {megatron}, not a Hugging Face model directory (config.json "
-                             "and *.safetensors): pass the Hugging Face model, e.g. the --hf-dir it was imported from, "
-                             "or serve the model and pass --endpoint")
+                             "and *.safetensors): pass it as --megatron, or the Hugging Face model, e.g. the --hf-dir it "
+                             "was imported from, or serve the model and pass --endpoint")
     if not os.path.isfile(args.prompts):
         raise ValueError(f"--prompts {args.prompts}: file not found")
     if os.path.isdir(args.out):
@@ -159,8 +176,13 @@ def _generate(args: argparse.Namespace) -> int:
 
         backend = EndpointBackend(args.endpoint, model=args.model, api_key=args.api_key, concurrency=args.concurrency,
                                   timeout=args.timeout, retries=args.retries, backoff=args.backoff, **sampling)
-    settings = {"model": f"hf-dir {os.path.realpath(args.hf_dir)}" if backend is None else f"endpoint {backend.model}",
-                **sampling, "seed": args.seed}
+    if backend is not None:
+        model = f"endpoint {backend.model}"
+    elif args.megatron is not None:  # other kernels than transformers': other logits at the rounding level
+        model = f"megatron {os.path.realpath(args.megatron)}"
+    else:
+        model = f"hf-dir {os.path.realpath(args.hf_dir)}"
+    settings = {"model": model, **sampling, "seed": args.seed}
     check_settings(args.out, settings, existing.num_lines)  # samples made otherwise are not "done"
     print(f"{len(prompt_set.prompts)} prompts ({prompt_set.num_duplicates} duplicate prompts dropped) x {args.n} "
           f"samples: {len(jobs)} to generate, {len(prompt_set.prompts) * args.n - len(jobs)} already in {args.out}"
@@ -168,6 +190,11 @@ def _generate(args: argparse.Namespace) -> int:
     if not jobs:
         return 0
     write_settings(args.out, settings)
+    if backend is None and args.megatron is not None:
+        from bebop_megatron.speculative.generate_backend import MegatronBackend
+
+        backend = MegatronBackend(args.megatron, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                                  threads=args.threads, cuda_graphs=args.cuda_graphs, **sampling)
     if backend is None:
         from bebop_megatron.data.generate_hf import HFBackend
 

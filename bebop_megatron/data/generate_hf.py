@@ -76,7 +76,71 @@ def _resolve(device: str, dtype: str) -> tuple[str, torch.dtype]:
     return device, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
 
 
-class HFBackend:
+def end_of_turn_ids(generation_eos, tokenizer, where: str) -> list[int]:
+    """End of turn: the checkpoint's generation config's EOS (e.g. Qwen's <|im_end|>) and the
+    tokenizer's EOS."""
+    eos = [] if generation_eos is None else [generation_eos] if isinstance(generation_eos, int) else list(generation_eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos.append(tokenizer.eos_token_id)
+    if not eos:
+        raise ValueError(f"{where}: neither generation_config.json nor the tokenizer names an EOS token")
+    return eos
+
+
+class ChatPrompts:
+    """The prompt ids and the completions of a backend with a transformers tokenizer
+    (``self.tokenizer``, ``self.eos_ids``); shared by :class:`HFBackend` and the Megatron
+    backend (:mod:`bebop_megatron.speculative.generate_backend`)."""
+
+    tokenizer = None
+    eos_ids: list[int] = []
+
+    def prompt_ids(self, job: Job) -> list[int]:
+        """The chat-template rendering of the prompt with the assistant's generation prompt."""
+        cache = self.__dict__.setdefault("_prompt_ids", {})
+        key = job.prompt.key
+        if key not in cache:
+            text = self.tokenizer.apply_chat_template(job.prompt.messages, tokenize=False, add_generation_prompt=True)
+            # The template already holds the special tokens it wants (BOS, role markers).
+            cache[key] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return cache[key]
+
+    def ready_batches(self, jobs: list[Job], batch_size: int):
+        """``(failures, [(job, prompt ids)])`` per batch of ``batch_size`` jobs, in order."""
+        for lo in range(0, len(jobs), batch_size):
+            failures, ready = [], []
+            for job in jobs[lo:lo + batch_size]:
+                try:
+                    ready.append((job, self.prompt_ids(job)))
+                except Exception as err:  # a template that rejects this conversation (e.g. a role)
+                    failures.append((job, Failure(f"chat template failed: {type(err).__name__}: "
+                                                  f"{' '.join(str(err).split())}")))
+            yield failures, ready
+
+    def completion(self, prompt: list[int], new: list[int]) -> Completion:
+        """The sampled ids ``new`` (cut at the first end of turn, which is kept in the ids, not
+        in the text) as a Completion; no end of turn: ``finish_reason`` "length"."""
+        stop = next((i for i, token in enumerate(new) if token in self.eos_ids), None)
+        tokens = new if stop is None else new[:stop]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        sampled = list(new) if stop is None else list(new[: stop + 1])  # the ids as sampled, the EOS included
+        return Completion(text, "length" if stop is None else "stop", len(sampled), prompt_ids=list(prompt),
+                          response_ids=sampled)
+
+
+def load_chat_tokenizer(path: str, where: str):
+    """``AutoTokenizer`` of ``path``, which must have a chat template."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"{where}: cannot load its tokenizer "
+                         f"({type(err).__name__}: {' '.join(str(err).split())[:300]})") from None
+    if not tokenizer.chat_template:
+        raise ValueError(f"{where}: the tokenizer has no chat template")
+    return tokenizer
+
+
+class HFBackend(ChatPrompts):
     """``AutoModelForCausalLM`` + ``AutoTokenizer`` (with a chat template) from ``hf_dir``."""
 
     def __init__(self, hf_dir: str, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -95,14 +159,8 @@ class HFBackend:
         if not self.tokenizer.chat_template:
             raise ValueError(f"--hf-dir {hf_dir}: the tokenizer has no chat template")
         self.model.to(self.device).eval()
-        # End of turn: the checkpoint's generation config (e.g. Qwen's <|im_end|>) and the tokenizer's EOS.
-        eos = self.model.generation_config.eos_token_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
-            eos.append(self.tokenizer.eos_token_id)
-        if not eos:
-            raise ValueError(f"--hf-dir {hf_dir}: neither generation_config.json nor the tokenizer names an EOS token")
-        self.eos_ids = eos
+        self.eos_ids = eos = end_of_turn_ids(self.model.generation_config.eos_token_id, self.tokenizer,
+                                             f"--hf-dir {hf_dir}")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos[0]
         # generate() fills unset options from the checkpoint's generation config (top_k,
         # repetition_penalty, ...); the sampling here is entirely ours, so start from none.
@@ -110,25 +168,10 @@ class HFBackend:
         self.gen_config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                            pad_token_id=self.pad_id)
         self.temperature, self.top_p, self.batch_size = temperature, top_p, batch_size
-        self._prompt_ids: dict[str, list[int]] = {}
-
-    def prompt_ids(self, job: Job) -> list[int]:
-        """The chat-template rendering of the prompt with the assistant's generation prompt."""
-        key = job.prompt.key
-        if key not in self._prompt_ids:
-            text = self.tokenizer.apply_chat_template(job.prompt.messages, tokenize=False, add_generation_prompt=True)
-            # The template already holds the special tokens it wants (BOS, role markers).
-            self._prompt_ids[key] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self._prompt_ids[key]
 
     def generate(self, jobs: list[Job]) -> Iterator[tuple[Job, Union[Completion, Failure]]]:
-        for lo in range(0, len(jobs), self.batch_size):
-            batch, ready = [], []
-            for job in jobs[lo:lo + self.batch_size]:
-                try:
-                    ready.append((job, self.prompt_ids(job)))
-                except Exception as err:  # a template that rejects this conversation (e.g. a role)
-                    yield job, Failure(f"chat template failed: {type(err).__name__}: {' '.join(str(err).split())}")
+        for failures, ready in self.ready_batches(jobs, self.batch_size):
+            yield from failures
             if ready:
                 yield from self._generate_batch(ready)
 
@@ -144,10 +187,5 @@ class HFBackend:
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
                                   generation_config=self.gen_config, logits_processor=LogitsProcessorList([sampler]))
         for (job, prompt), new in zip(batch, out[:, length:].tolist()):
-            stop = next((i for i, token in enumerate(new) if token in self.eos_ids), None)
             # generate() ends a row at its EOS (and pads it); a row without one ran to max_new_tokens.
-            tokens = new if stop is None else new[:stop]
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            sampled = new if stop is None else new[: stop + 1]  # the ids as sampled, the EOS included
-            yield job, Completion(text, "length" if stop is None else "stop", len(sampled),
-                                  prompt_ids=list(prompt), response_ids=sampled)
+            yield job, self.completion(prompt, new)

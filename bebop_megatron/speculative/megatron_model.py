@@ -35,6 +35,46 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
 
+def check_attention(cfg, what: str) -> None:
+    """``ValueError`` (one line) unless every layer is Megatron's standard self-attention
+    (GQA or MHA, RoPE or none) at TP=1: what :func:`qkv_with_rope` and SDPA over a cache run."""
+    if getattr(cfg, "multi_latent_attention", False):
+        raise ValueError(f"{what} supports standard (GQA) attention; this model uses multi-latent attention (MLA)")
+    if getattr(cfg, "attention_output_gate", False) or getattr(cfg, "experimental_attention_variant", None):
+        raise ValueError(f"{what} supports standard (GQA) attention; this model uses an output gate or "
+                         "linear-attention layers (Gated DeltaNet)")
+    if getattr(cfg, "tensor_model_parallel_size", 1) != 1 or getattr(cfg, "pipeline_model_parallel_size", 1) != 1:
+        raise ValueError(f"{what} runs one process at TP=1, PP=1; this model is built at "
+                         f"TP={cfg.tensor_model_parallel_size}, PP={cfg.pipeline_model_parallel_size}")
+    if getattr(cfg, "window_size", None) is not None:
+        raise ValueError(f"{what} does not support sliding-window attention (window_size {cfg.window_size})")
+
+
+def qkv_with_rope(attn, x_SBH: torch.Tensor, freqs: torch.Tensor | None, cfg):
+    """Megatron's own query/key/value projection (with its q/k norms) and RoPE:
+    ``q [S, B, nh, d]``, ``k, v [S, B, ng, d]``; ``freqs`` broadcasts against ``[S, B, 1, d]``
+    (one position per row and step), ``None`` for a model without RoPE."""
+    q, k, v = attn.get_query_key_value_tensors(x_SBH, None)[:3]
+    if freqs is not None:
+        q = apply_rotary_pos_emb(q, freqs, config=cfg)
+        k = apply_rotary_pos_emb(k, freqs, config=cfg)
+    return q, k, v
+
+
+def attention_output(attn, ctx_SBH: torch.Tensor) -> torch.Tensor:
+    """The output projection of the attention context ``[S, B, nh * d]`` (its bias added)."""
+    out, bias = attn.linear_proj(ctx_SBH)
+    return out if bias is None else out + bias
+
+
+def layer_forward(layer, x_SBH: torch.Tensor, attention) -> torch.Tensor:
+    """One Megatron ``TransformerLayer`` (pre-norm, residuals, no dropout in eval) with the core
+    attention replaced by ``attention(normed x) -> projected output``."""
+    x_SBH = x_SBH + attention(layer.input_layernorm(x_SBH))
+    out, bias = layer.mlp(layer.pre_mlp_layernorm(x_SBH))
+    return x_SBH + (out if bias is None else out + bias)
+
+
 class KVCache:
     """Keys and values ``[L, ng, d]`` of one attention layer for one sequence."""
 
@@ -101,10 +141,7 @@ class MegatronSpecModel:
 
     def _attention(self, layer, x_SBH, positions, cache: KVCache, keep: int):
         attn = layer.self_attention
-        q, k, v = attn.get_query_key_value_tensors(x_SBH, None)[:3]  # [S, 1, nh|ng, d]
-        freqs = self._rope(positions)
-        q = apply_rotary_pos_emb(q, freqs, config=self.cfg)
-        k = apply_rotary_pos_emb(k, freqs, config=self.cfg)
+        q, k, v = qkv_with_rope(attn, x_SBH, self._rope(positions), self.cfg)  # [S, 1, nh|ng, d]
         past = len(cache)
         keys = k[:, 0] if cache.k is None else torch.cat([cache.k, k[:, 0]])
         values = v[:, 0] if cache.v is None else torch.cat([cache.v, v[:, 0]])
@@ -116,16 +153,10 @@ class MegatronSpecModel:
         vh = values.transpose(0, 1).repeat_interleave(nh // ng, 0)
         allowed = torch.arange(L)[None, :] <= (past + torch.arange(S))[:, None]  # causal, offset by the cache
         ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, scale=self.scale)
-        ctx = ctx.transpose(0, 1).reshape(S, 1, -1)
-        out, bias = attn.linear_proj(ctx)
-        return out if bias is None else out + bias
+        return attention_output(attn, ctx.transpose(0, 1).reshape(S, 1, -1))
 
     def _layer(self, layer, x_SBH, positions, cache: KVCache, keep: int):
-        """One Megatron ``TransformerLayer`` (pre-norm, residuals, no dropout in eval)."""
-        h = layer.input_layernorm(x_SBH)
-        x_SBH = x_SBH + self._attention(layer, h, positions, cache, keep)
-        out, bias = layer.mlp(layer.pre_mlp_layernorm(x_SBH))
-        return x_SBH + (out if bias is None else out + bias)
+        return layer_forward(layer, x_SBH, lambda h: self._attention(layer, h, positions, cache, keep))
 
     def _backbone(self, tokens: list[int], start: int) -> torch.Tensor:
         """Final hidden ``[S, H]`` (after the final norm) of ``tokens`` at positions start.."""
