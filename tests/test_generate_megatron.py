@@ -222,3 +222,17 @@ def test_refusals_and_flag_errors(tiny, tmp_path, capsys):
         status, _, err = run_tool(capsys, "--prompts", prompts, "--out", tmp_path / "o.jsonl", *argv)
         assert status == 2 and "Traceback" not in err and message in err, err
         assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
+
+
+def test_study_responses_stage_with_the_megatron_engine(tiny, tmp_path):
+    """The objective study's responses stage writes the same files with either engine."""
+    from bebop_megatron.study.stages import stage_responses
+
+    prompts = jobs_for(PROMPTS, 1, 0)
+    sets = {"heldout": [j.prompt for j in prompts[:2]], "train": [j.prompt for j in prompts[2:]]}
+    kw = dict(device="cpu", seed=3, max_new_tokens=12, batch_size=2)
+    stats = {engine: stage_responses(tiny.path, sets, tmp_path / engine, engine=engine, **kw)
+             for engine in ("hf", "megatron")}
+    for split in ("heldout", "train"):
+        assert (tmp_path / "megatron" / f"{split}.jsonl").read_text() == (tmp_path / "hf" / f"{split}.jsonl").read_text()
+        assert stats["megatron"][split]["generated_tokens"] == stats["hf"][split]["generated_tokens"] > 0

@@ -55,6 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--gen-batch-size", type=int, default=16)
     d.add_argument("--gen-budget-s", type=float, default=None, help="stop generating after this long (default: no limit)")
+    d.add_argument("--gen-engine", choices=("hf", "megatron"), default="hf",
+                   help="hf: transformers' generate; megatron: the project's batched sampler over the imported model "
+                        "(dense GQA models; same seeds and sampler; tools/generate_responses.py --megatron)")
+    d.add_argument("--cuda-graphs", action="store_true", help="--gen-engine megatron on CUDA: CUDA-graph decode steps")
     s = p.add_argument_group("the study")
     s.add_argument("--work", required=True, help="work folder: every stage resumes from it")
     s.add_argument("--out", default=None, help="report folder (default WORK/report)")
@@ -105,6 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--gen-budget-s must be positive, got {args.gen_budget_s}")
     if args.ranks != 1:
         p.error("--ranks: only 1 process per run so far (use --device cuda for a GPU)")
+    if args.cuda_graphs and (args.gen_engine != "megatron" or args.device != "cuda"):
+        p.error("--cuda-graphs needs --gen-engine megatron and --device cuda")
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     return args
 
@@ -180,7 +186,7 @@ def main(argv=None) -> None:
         data = work / "data"
         sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout)
         gen = stage_responses(hf, sets, data, device=args.device, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                              batch_size=args.gen_batch_size,
+                              batch_size=args.gen_batch_size, engine=args.gen_engine, cuda_graphs=args.cuda_graphs,
                               deadline=None if args.gen_budget_s is None else time.time() + args.gen_budget_s)
         stage_tokenize(plan.meg, data)
         plan.train_files, plan.valid_files = [data / "train"], [data / "heldout"]

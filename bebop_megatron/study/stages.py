@@ -76,12 +76,17 @@ def _messages_key(prompt) -> str:
 
 def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int, max_new_tokens: int,
                     batch_size: int, chunk_batches: int = 2, deadline: float | None = None,
-                    temperature: float = 1.0) -> dict:
-    """The model's own answers at ``temperature`` to both prompt sets (batched transformers
-    ``generate``), appended to ``data/<split>.jsonl``; a killed stage continues where it stopped.
-    Generation stops at ``deadline`` (between chunks) once a split has a response."""
+                    temperature: float = 1.0, engine: str = "hf", cuda_graphs: bool = False) -> dict:
+    """The model's own answers at ``temperature`` to both prompt sets, appended to
+    ``data/<split>.jsonl``; a killed stage continues where it stopped. ``engine``: ``hf``
+    (batched transformers ``generate``) or ``megatron`` (the project's batched sampler over the
+    model imported in memory, :mod:`bebop_megatron.speculative.generate_backend`; same seeds and
+    sampler, ``cuda_graphs`` on CUDA only). Generation stops at ``deadline`` (between chunks)
+    once a split has a response."""
     from bebop_megatron.data.generate import ExistingOutput, load_existing, plan_jobs, run_generation
-    from bebop_megatron.data.generate_hf import HFBackend
+
+    if engine not in ("hf", "megatron"):
+        raise StudyError(f"generation engine must be hf or megatron, got {engine!r}")
 
     if is_done(data):
         import json
@@ -102,9 +107,8 @@ def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int,
                 log(f"responses ({split}): generation budget spent; {len(jobs) - lo} prompts left out")
                 break
             if backend is None:
-                backend = HFBackend(str(hf), max_new_tokens=max_new_tokens, temperature=temperature,
-                                    batch_size=batch_size, device=device,
-                                    dtype="bf16" if device == "cuda" else "fp32")
+                backend = _backend(engine, hf, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   batch_size=batch_size, device=device, cuda_graphs=cuda_graphs)
             # Shortest prompts together: less left padding. Sorting within a chunk selects
             # nothing (a chunk is generated whole, the budget is checked between chunks).
             part = sorted(jobs[lo:lo + chunk], key=lambda job: _prompt_length(backend, job))
@@ -143,6 +147,17 @@ def stage_tokenize(meg: Path, data: Path) -> None:
                    on_error="fail", progress=False, overwrite=True)  # the responses changed: tokenized again
         stamp.write_text(key)
         log(f"tokenize ({split}): {time.time() - t0:.1f} s")
+
+
+def _backend(engine: str, hf: Path, *, device: str, cuda_graphs: bool, **sampling):
+    dtype = "bf16" if device == "cuda" else "fp32"
+    if engine == "megatron":
+        from bebop_megatron.speculative.generate_backend import MegatronBackend
+
+        return MegatronBackend(str(hf), device=device, dtype=dtype, cuda_graphs=cuda_graphs, **sampling)
+    from bebop_megatron.data.generate_hf import HFBackend
+
+    return HFBackend(str(hf), device=device, dtype=dtype, **sampling)
 
 
 def _prompt_length(backend, job) -> int:

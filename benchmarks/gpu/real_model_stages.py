@@ -38,7 +38,8 @@ def stage_responses(hf: Path, prompts: Path, data: Path, args, deadline: float) 
     sets = stages.prompt_sets(prompts, args.num_train, args.num_heldout)
     return stages.stage_responses(hf, sets, data, device=args.device, seed=args.seed,
                                   max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch_size,
-                                  chunk_batches=args.gen_chunk_batches, deadline=deadline)
+                                  chunk_batches=args.gen_chunk_batches, deadline=deadline,
+                                  engine=getattr(args, "gen_engine", "hf"), cuda_graphs=getattr(args, "cuda_graphs", False))
 
 
 stage_tokenize = stages.stage_tokenize

@@ -335,6 +335,9 @@ def parse_args(argv=None):
     s.add_argument("--num-heldout", type=int, default=500)
     s.add_argument("--max-new-tokens", type=int, default=256)
     s.add_argument("--gen-batch-size", type=int, default=2048)
+    s.add_argument("--gen-engine", choices=("hf", "megatron"), default="hf",
+                   help="response generation: transformers' generate or the project's batched sampler (default hf)")
+    s.add_argument("--cuda-graphs", action="store_true", help="--gen-engine megatron: CUDA-graph decode steps")
     s.add_argument("--gen-chunk-batches", type=int, default=2,
                    help="batches per chunk: sorted by prompt length, the budget checked between chunks (default 2)")
     s.add_argument("--seq-length", type=int, default=2048)
