@@ -224,9 +224,15 @@ def test_refusals_and_flag_errors(tiny, tmp_path, capsys):
         assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
 
 
-def test_study_responses_stage_with_the_megatron_engine(tiny, tmp_path):
-    """The objective study's responses stage writes the same files with either engine."""
-    from bebop_megatron.study.stages import stage_responses
+def test_study_stages_leave_no_cpu_mode(tiny, tmp_path):
+    """The objective study's responses stage writes the same files with either engine; the
+    import stage and the megatron engine leave no CPU mode (which would rewrite every CUDA
+    device of the later stages to the CPU) and no process group. Last in this file: it ends the
+    module's process group."""
+    import torch.distributed as dist
+
+    from bebop_megatron.platform import cpu_mode
+    from bebop_megatron.study.stages import stage_import, stage_responses
 
     prompts = jobs_for(PROMPTS, 1, 0)
     sets = {"heldout": [j.prompt for j in prompts[:2]], "train": [j.prompt for j in prompts[2:]]}
@@ -236,3 +242,8 @@ def test_study_responses_stage_with_the_megatron_engine(tiny, tmp_path):
     for split in ("heldout", "train"):
         assert (tmp_path / "megatron" / f"{split}.jsonl").read_text() == (tmp_path / "hf" / f"{split}.jsonl").read_text()
         assert stats["megatron"][split]["generated_tokens"] == stats["hf"][split]["generated_tokens"] > 0
+    assert not cpu_mode.is_enabled() and not dist.is_initialized()
+
+    stage_import(tiny.path, tmp_path / "work", mtp_num_steps=1)
+    assert (tmp_path / "work" / "megatron" / "bebop_model.yaml").is_file()
+    assert not cpu_mode.is_enabled() and not dist.is_initialized()

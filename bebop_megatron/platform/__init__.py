@@ -89,5 +89,20 @@ def _destroy_process_groups() -> None:
         dist.destroy_process_group()
 
 
+def end_single_process() -> None:
+    """Undo ``init_distributed("cpu")`` of a one-process conversion (``convert.megatron_io.build``):
+    Megatron's parallel state, the process group of one and CPU mode, so that a CUDA run later
+    in the same process starts as in a fresh one. Reason: CPU mode stays on after an in-process
+    import and rewrites every CUDA device to the CPU (``torch.zeros(device="cuda")`` is a CPU
+    tensor), so a model moved to "cuda" silently stays on the CPU."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized() and dist.get_world_size() == 1:
+        dist.destroy_process_group()
+    cpu_mode.disable()
+
+
 def device_of(device: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")

@@ -78,6 +78,10 @@ class MegatronBackend(ChatPrompts):
         if cuda_graphs and self.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda")
         model, vocab_size, tokenizer_dir = load_backbone(path)
+        if self.device == "cuda":  # the import's CPU mode would rewrite "cuda" to the CPU; at TP=1 the
+            from bebop_megatron.platform import cpu_mode  # forward makes no collective call on its gloo group
+
+            cpu_mode.disable()
         self.tokenizer = load_chat_tokenizer(tokenizer_dir, f"--megatron {path}")
         self.eos_ids = end_of_turn_ids(_generation_eos(tokenizer_dir), self.tokenizer, f"--megatron {path}")
         to_device(model, self.device, torch_dtype)

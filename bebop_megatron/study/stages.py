@@ -35,6 +35,9 @@ def stage_import(hf: Path, work: Path, *, mtp_num_steps: int = 3) -> Path:
     t0 = time.time()
     log(f"import: {hf} -> {meg}")
     convert_from_hf(str(hf), str(meg), mtp_num_steps=mtp_num_steps, progress=False)
+    from bebop_megatron.platform import end_single_process
+
+    end_single_process()  # the import's CPU mode would keep the later CUDA stages on the CPU
     mark_done(meg)
     log(f"import: {time.time() - t0:.0f} s")
     return meg
@@ -124,6 +127,10 @@ def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int,
             raise StudyError(f"responses ({split}): none was written (see the lines above)")
         stats[split] = {"responses": written, "generated_tokens": tokens, "seconds": seconds}
     backend = None  # frees the model before training
+    if engine == "megatron":  # its in-memory import's process group and CPU mode
+        from bebop_megatron.platform import end_single_process
+
+        end_single_process()
     free_cuda()
     import json
 
