@@ -2,7 +2,7 @@
 
 The real run needs one NVIDIA GPU; this keeps the script from rotting where there is none:
 every part runs (the loss benchmark with the torch kernel, the training-step benchmark, the
-collection of the GPU-marked tests), exits 0 and writes its CSV rows. The loss benchmark's
+collection of the GPU-marked tests, the generation benchmark on a tiny model), exits 0 and writes its CSV rows. The loss benchmark's
 result is checked against the float64 formula of ``benchmarks/benchmark_tv_loss.py``.
 """
 
@@ -25,7 +25,7 @@ def test_run_all_dry_run(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    for part in ("loss", "step", "tests"):
+    for part in ("loss", "step", "tests", "generate"):
         assert f"=== {part}: exit 0" in summary, summary
     assert "33/" in (tmp_path / "tests.log").read_text()  # the GPU-marked Triton tests were collected
     rows = list(csv.DictReader(open(tmp_path / "results_gpu.csv")))
@@ -42,4 +42,8 @@ def test_run_all_dry_run(tmp_path):
     step = {r["params"].split("micro_batch=")[1].split()[0] + "/" + r["params"].split("attention=")[1]
             for r in rows if r["benchmark"] == "bench_train_step" and r["metric"] == "tokens_per_s"}
     assert step == {"1/unfused", "2/sdpa"}, step
+    # generation: both variants wrote tokens; in fp32 the batched sampler's ids equal transformers'
+    assert metrics[("bench_generate", "hf_tokens_per_s")] > 0 < metrics[("bench_generate", "megatron_tokens_per_s")]
+    assert metrics[("bench_generate", "megatron_tokens")] == metrics[("bench_generate", "hf_tokens")] > 0
+    assert metrics[("bench_generate", "megatron_agree")] == 1.0
     assert all(r["machine"].endswith("; cpu)") for r in rows)

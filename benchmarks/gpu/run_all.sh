@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository in one run on a machine with one NVIDIA GPU (H200 class),
-# no internet, no Transformer Engine; under 8 minutes (each part has its own time limit).
+# no internet, no Transformer Engine; each part has its own time limit (90 + 240 + 240 + 200 s at most:
+# over one device call's 10 minutes, so split the parts over calls with --parts when the first ones run long).
 #
 #   benchmarks/gpu/run_all.sh [--out DIR]     # on the GPU machine, from anywhere
 #   benchmarks/gpu/run_all.sh --dry-run       # CPU only, tiny sizes: checks that every part still runs
+#   benchmarks/gpu/run_all.sh --parts generate   # only these parts (comma-separated names below)
 #
 # Parts (logs and a CSV land in DIR, default $OUT or benchmarks/gpu/out):
 #   1. loss   benchmarks/benchmark_tv_loss.py --impls torch,triton: the fused e2e TV loss, torch vs
@@ -14,6 +16,9 @@
 #             attention at micro-batch 1 (the earlier runs), then SDPA at micro-batch 1 and 4
 #   3. tests  pytest -m gpu tests/test_kernel_triton.py tests/test_lk_triton.py (the Triton kernels on CUDA,
 #             production sizes; the TV+KL kind of lk / e2e_lk)
+#   4. generate  benchmarks/bench_generate.py: tokens/s of the batched Megatron sampler (CUDA graphs off and
+#             on) against transformers' generate, SmolLM2-135M (the carried .gpu_work/hf or $GENERATE_HF_DIR
+#             when present, else its shape with random weights), bf16, batch 256
 # Rows go to DIR/results_gpu.csv (the GPU's name in the machine column); append them to
 # benchmarks/results.csv with: tail -n +2 DIR/results_gpu.csv >> benchmarks/results.csv
 #
@@ -25,13 +30,15 @@ set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 dry=0
+parts=loss,step,tests,generate
 outdir=${OUT:-$repo/benchmarks/gpu/out}
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --out) [ $# -ge 2 ] || { echo "error: --out needs a directory" >&2; exit 2; }; outdir=$2; shift ;;
-    -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "error: unknown argument '$1' (use --dry-run, --out DIR)" >&2; exit 2 ;;
+    --parts) [ $# -ge 2 ] || { echo "error: --parts needs a list, e.g. step,generate" >&2; exit 2; }; parts=$2; shift ;;
+    -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: unknown argument '$1' (use --dry-run, --out DIR, --parts LIST)" >&2; exit 2 ;;
   esac
   shift
 done
@@ -57,7 +64,11 @@ if [ $dry = 0 ]; then
         --iters 3 --warmup 1 --profile)
   step=(--device cuda --precision bf16 --variants unfused:1,sdpa:1,sdpa:4)
   tests=(-m gpu --durations=5 tests/test_kernel_triton.py tests/test_lk_triton.py)
-  limits=(90 240 240)
+  hf=${GENERATE_HF_DIR:-$repo/.gpu_work/hf}
+  if [ -f "$hf/config.json" ]; then model=(--hf-dir "$hf"); else model=(--shape smollm2); fi
+  generate=(--device cuda "${model[@]}" --batch-size 256 --num-prompts 512 --max-new-tokens 256 --prompt-words 20,200
+            --variants hf,megatron,megatron_graphs)
+  limits=(90 240 240 200)
 else
   export BEBOP_ALLOW_SLOW_BF16=1  # bf16 on the CPU at tiny sizes: slow GEMMs do not matter here
   loss=(--impls torch --device cpu --dtype bf16 --steps 3 --tokens 48 --hidden 32 --vocab 500 --chunk-tokens 32
@@ -65,13 +76,18 @@ else
   step=(--device cpu --precision bf16 --layers 2 --hidden 64 --ffn 128 --heads 4 --groups 2 --vocab 256 --seq 32
         --global-batch 4 --steps 1 --warmup 1 --variants unfused:1,sdpa:2)
   tests=(--collect-only -m gpu tests/test_kernel_triton.py tests/test_lk_triton.py)
-  limits=(120 120 120)
+  generate=(--device cpu --shape tiny --batch-size 4 --num-prompts 8 --max-new-tokens 8 --threads 1)
+  limits=(120 120 120 120)
 fi
 
 failed=0
+for p in ${parts//,/ }; do
+  case "$p" in loss|step|tests|generate) ;; *) echo "error: unknown part '$p' (loss, step, tests, generate)" >&2; exit 2 ;; esac
+done
 part() {  # name, time limit in seconds, command...
   local name=$1 limit=$2
   shift 2
+  case ",$parts," in *",$name,"*) ;; *) return 0 ;; esac
   echo "=== $name: $*"
   local start=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$outdir/$name.log"
@@ -84,5 +100,6 @@ part() {  # name, time limit in seconds, command...
 part loss "${limits[0]}" "$py" benchmarks/benchmark_tv_loss.py "${loss[@]}"
 part step "${limits[1]}" "$py" benchmarks/gpu/bench_train_step.py "${step[@]}"
 part tests "${limits[2]}" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
+part generate "${limits[3]}" "$py" benchmarks/bench_generate.py "${generate[@]}"
 echo "=== $failed part(s) failed; results: $outdir/results_gpu.csv" | tee -a "$outdir/summary.txt"
 exit $failed
