@@ -122,16 +122,17 @@ class BatchedGenerator:
             self._graphs.clear()
 
     def _sdpa(self, q_SBnd, keys_BLgd, values_BLgd, allowed_BSL):
-        """Attention ``[S, B, nh * d]`` of the queries over the given keys (GQA: KV heads repeated)."""
+        """Attention ``[S, B, nh * d]`` of the queries over the given keys. GQA without copying
+        the cache: the g = nh / ng query heads of one KV head (consecutive in Megatron's order)
+        become g x S query rows of that head, each with its position's mask row."""
         S, B = q_SBnd.shape[:2]
-        qh = q_SBnd.permute(1, 2, 0, 3)  # [B, nh, S, d]
-        kh = keys_BLgd.transpose(1, 2)  # [B, ng, L, d]
+        g = self.nh // self.ng
+        qh = q_SBnd.permute(1, 2, 0, 3).reshape(B, self.ng, g * S, self.d)  # [B, ng, g*S, d]
+        kh = keys_BLgd.transpose(1, 2)  # [B, ng, L, d] (a view of the cache)
         vh = values_BLgd.transpose(1, 2)
-        if self.nh != self.ng:
-            kh = kh.repeat_interleave(self.nh // self.ng, dim=1)
-            vh = vh.repeat_interleave(self.nh // self.ng, dim=1)
-        ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed_BSL[:, None], scale=self.scale)
-        return ctx.permute(2, 0, 1, 3).reshape(S, B, self.nh * self.d)
+        mask = allowed_BSL[:, None, None].expand(B, 1, g, S, allowed_BSL.shape[-1]).reshape(B, 1, g * S, -1)
+        ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)  # [B, ng, g*S, d]
+        return ctx.reshape(B, self.nh, S, self.d).permute(2, 0, 1, 3).reshape(S, B, self.nh * self.d)
 
     def logits(self, hidden_BH: torch.Tensor) -> torch.Tensor:
         """Logits over the real vocabulary (Megatron's padded rows dropped), float32."""
@@ -223,7 +224,7 @@ class BatchedGenerator:
         steps = T
         for t in range(T):
             if keep_logits:
-                kept.append(logits_BV)
+                kept.append(logits_BV.clone())  # a captured graph overwrites its output
             token_B = sample_tokens(logits_BV, uniforms_BT[:, t], temperature, top_p)
             out_BT[:, t] = token_B
             done_B |= torch.isin(token_B, self._eos)
