@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 SLOW_FILES = {
     "test_bench_frozen_step.py", "test_cli.py", "test_convert_deepseek.py", "test_convert_export.py",
     "test_convert_import.py", "test_convert_overwrite.py", "test_convert_qwen.py", "test_data_fingerprint.py",
-    "test_eval_acceptance.py", "test_export_backbone.py", "test_forkserver.py", "test_gpu_real_model.py",
+    "test_eval_acceptance.py", "test_generate_megatron.py", "test_export_backbone.py", "test_forkserver.py", "test_gpu_real_model.py",
     "test_gpu_script.py",
     "test_grad_norm_once.py", "test_kernel_triton.py", "test_lr_logged.py", "test_mtp_chain.py", "test_mtp_init.py",
     "test_production_guard.py", "test_production_resume.py", "test_production_slurm.py",
