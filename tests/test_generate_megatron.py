@@ -8,6 +8,7 @@ tools/convert_from_hf.py's importer (fp32, CPU), against independent references:
   float64, so that the tolerance is tight);
 - sampled records (text, ids, finish reason) equal HFBackend's with the same seeds and the
   same sampler (the logits agree to rounding, fp32);
+- a tiny Qwen3-MoE (q/k norms, MoE layers) against its full forward too;
 - the tool on an import directory writes the same records as with --hf-dir; models it cannot
   run and bad flags give one error line.
 """
@@ -190,6 +191,29 @@ def test_tool_on_an_import_directory(tiny, tmp_path, capsys):
     assert settings["model"] == f"megatron {os.path.realpath(meg)}"
 
 
+def test_moe_and_qk_norm_logits_equal_a_full_forward(tiny, tmp_path):
+    """A tiny Qwen3-MoE (q/k norms, head dim 16, 4 experts top-2, GQA): every step's logits equal
+    the model's full forward of the same tokens (float32; before the tests that import again)."""
+    from bebop_megatron.convert.importer import load_hf_model
+    from bebop_megatron.convert.megatron_io import forward_hidden_and_logits
+    from bebop_megatron.speculative.batched import BatchedGenerator
+    from tests.helpers.convert_models import make_hf_model
+
+    imported = load_hf_model(str(make_hf_model("qwen3_moe", tmp_path / "moe")), progress=False, log=lambda line: None)
+    model, vocab = imported.model, imported.hf.vocab_size
+    assert model.config.num_moe_experts == 4
+    prompts = random_prompts(vocab, (4, 10, 7), seed=2)
+    out = BatchedGenerator(model, vocab, eos_ids=[3]).generate(prompts, [4, 5, 6], max_new_tokens=8, temperature=1.0,
+                                                              keep_logits=True)
+    worst = 0.0
+    for b, prompt in enumerate(prompts):
+        seq = prompt + out.tokens[b]
+        _, logits = forward_hidden_and_logits(model, torch.tensor([seq]), vocab)
+        ref = logits[0][0, len(prompt) - 1: len(seq) - 1]
+        worst = max(worst, (out.logits[b, : len(out.tokens[b])] - ref).abs().max().item())
+    assert worst < 1e-4, worst
+
+
 def test_refusals_and_flag_errors(tiny, tmp_path, capsys):
     from bebop_megatron.speculative.batched import check_supported
 
@@ -197,19 +221,23 @@ def test_refusals_and_flag_errors(tiny, tmp_path, capsys):
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1, window_size=None,
                 num_moe_experts=None)
 
-    def refusal(**changes) -> str:
-        model = SimpleNamespace(config=SimpleNamespace(**{**base, **changes}), pre_process=True, post_process=True,
-                                position_embedding_type="rope")
+    def model_with(**changes):
+        return SimpleNamespace(config=SimpleNamespace(**{**base, **changes}), pre_process=True, post_process=True,
+                               position_embedding_type="rope")
+
+    def refusal(cuda_graphs=False, **changes) -> str:
         with pytest.raises(ValueError) as err:
-            check_supported(model)
+            check_supported(model_with(**changes), cuda_graphs)
         assert "\n" not in str(err.value)
         return str(err.value)
 
     assert "multi-latent attention" in refusal(multi_latent_attention=True)
     assert "Gated DeltaNet" in refusal(experimental_attention_variant="gated_delta_net")
     assert "TP=1" in refusal(tensor_model_parallel_size=2)
-    assert "MoE" in refusal(num_moe_experts=4)
     assert "sliding-window" in refusal(window_size=(8, 0))
+    check_supported(model_with(num_moe_experts=4, moe_expert_capacity_factor=None))  # MoE runs (tested above)
+    assert "token dropping" in refusal(num_moe_experts=4, moe_expert_capacity_factor=1.0)
+    assert "no CUDA graphs for MoE" in refusal(True, num_moe_experts=4, moe_expert_capacity_factor=None)
     check_supported(tiny.model)  # the real dense model passes
 
     prompts = write_jsonl(tmp_path / "p.jsonl", PROMPTS[:1])

@@ -9,7 +9,7 @@ r"""On-policy chat data: sample the model's own responses to a prompts file, as 
         --hf-dir /models/Qwen3-0.6B --batch-size 16 --max-new-tokens 1024 --seed 0
 
     # the project's own batched sampler over the Megatron model (an import of
-    # tools/convert_from_hf.py, or a Hugging Face directory imported in memory); dense GQA models
+    # tools/convert_from_hf.py, or a Hugging Face directory imported in memory); GQA models, dense or MoE
     python tools/generate_responses.py --prompts prompts.jsonl --out onpolicy.jsonl \
         --megatron checkpoints/backbone --batch-size 64 --max-new-tokens 1024 --seed 0
 
@@ -61,8 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     backend.add_argument("--hf-dir", metavar="DIR", help="local Hugging Face model directory (transformers)")
     backend.add_argument("--megatron", metavar="DIR",
                          help="the project's batched sampler over the Megatron model: an import of "
-                              "tools/convert_from_hf.py, or a Hugging Face directory imported in memory (dense "
-                              "GQA/MHA models with RoPE at TP=1; refused: MoE, MLA, Gated DeltaNet)")
+                              "tools/convert_from_hf.py, or a Hugging Face directory imported in memory (GQA/MHA "
+                              "models with RoPE, dense or MoE, at TP=1; refused: MLA, Gated DeltaNet)")
     backend.add_argument("--endpoint", metavar="URL",
                          help="OpenAI-compatible server, e.g. http://localhost:8000 (with or without /v1)")
     sampling = parser.add_argument_group("sampling")

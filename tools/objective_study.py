@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--gen-budget-s", type=float, default=None, help="stop generating after this long (default: no limit)")
     d.add_argument("--gen-engine", choices=("hf", "megatron"), default="hf",
                    help="hf: transformers' generate; megatron: the project's batched sampler over the imported model "
-                        "(dense GQA models; same seeds and sampler; tools/generate_responses.py --megatron)")
+                        "(GQA models, dense or MoE; same seeds and sampler; tools/generate_responses.py --megatron)")
     d.add_argument("--cuda-graphs", action="store_true", help="--gen-engine megatron on CUDA: CUDA-graph decode steps")
     s = p.add_argument_group("the study")
     s.add_argument("--work", required=True, help="work folder: every stage resumes from it")

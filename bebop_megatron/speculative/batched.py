@@ -30,9 +30,10 @@ logits) is captured once per (B, L) and replayed; the sampler runs outside the g
 path has never run: it was written without a GPU (see docs/data.md).
 
 Supported: Megatron's standard self-attention layers (MHA / GQA, q/k norms, qkv bias, RoPE as
-the model's ``rotary_pos_emb`` computes it) with dense MLPs. Refused with one error line:
-TP or PP > 1, multi-latent attention, Gated DeltaNet / output-gated attention, sliding
-windows, MoE layers (not tested here), learned absolute positions.
+the model's ``rotary_pos_emb`` computes it) with dense or MoE MLPs (Megatron's own MoE layer,
+without token dropping; no CUDA graphs for MoE). Refused with one error line: TP or PP > 1,
+multi-latent attention, Gated DeltaNet / output-gated attention, sliding windows, MoE token
+dropping or MoE with CUDA graphs, learned absolute positions.
 """
 
 from __future__ import annotations
@@ -51,18 +52,23 @@ STOP_CHECK_EVERY = 8
 WHAT = "the batched generator (--backend megatron)"
 
 
-def check_supported(model) -> None:
+def check_supported(model, cuda_graphs: bool = False) -> None:
     """One-line ``ValueError`` for a model :class:`BatchedGenerator` cannot run."""
     cfg = model.config
     check_attention(cfg, WHAT)
     if getattr(cfg, "num_moe_experts", None):
-        raise ValueError(f"{WHAT} does not support MoE models ({cfg.num_moe_experts} experts): use --hf-dir or "
-                         "--endpoint")
+        if getattr(cfg, "moe_expert_capacity_factor", None) is not None:  # a row's tokens would depend on the batch
+            raise ValueError(f"{WHAT} does not support MoE token dropping (moe_expert_capacity_factor "
+                             f"{cfg.moe_expert_capacity_factor}): a row's output would depend on the other rows")
+        if cuda_graphs:
+            raise ValueError(f"{WHAT}: no CUDA graphs for MoE models (Megatron's token dispatch reads the tokens "
+                             "per expert on the host); run without --cuda-graphs")
     if not (getattr(model, "pre_process", True) and getattr(model, "post_process", True)):
         raise ValueError(f"{WHAT} needs the whole model in one process (PP=1)")
     kind = getattr(model, "position_embedding_type", "rope")
     if kind not in ("rope", "none"):
         raise ValueError(f"{WHAT} supports RoPE models (and models without positions) only; this one uses {kind}")
+
 
 @dataclass
 class BatchOutput:
@@ -78,7 +84,7 @@ class BatchedGenerator:
     """Batched prefill and one-token decode steps of ``model`` (eval mode) over static caches."""
 
     def __init__(self, model, vocab_size: int, *, eos_ids, cuda_graphs: bool = False):
-        check_supported(model)
+        check_supported(model, cuda_graphs)
         self.model, self.cfg, self.vocab_size = model, model.config, vocab_size
         self.eos_ids = sorted(set(int(e) for e in eos_ids))
         if not self.eos_ids:
