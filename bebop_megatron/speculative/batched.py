@@ -128,16 +128,23 @@ class BatchedGenerator:
             self._graphs.clear()
 
     def _sdpa(self, q_SBnd, keys_BLgd, values_BLgd, allowed_BSL):
-        """Attention ``[S, B, nh * d]`` of the queries over the given keys. GQA without copying
-        the cache: the g = nh / ng query heads of one KV head (consecutive in Megatron's order)
-        become g x S query rows of that head, each with its position's mask row."""
+        """Attention ``[S, B, nh * d]`` of the queries over the given keys. GQA: in a decode step
+        (S = 1) without copying the cache, the g = nh / ng query heads of one KV head
+        (consecutive in Megatron's order) as g query rows of that head; in the prefill the
+        prompt's keys and values are repeated per query head instead (a g-fold mask of S x L
+        would cost more than the g-fold keys)."""
         S, B = q_SBnd.shape[:2]
         g = self.nh // self.ng
-        qh = q_SBnd.permute(1, 2, 0, 3).reshape(B, self.ng, g * S, self.d)  # [B, ng, g*S, d]
         kh = keys_BLgd.transpose(1, 2)  # [B, ng, L, d] (a view of the cache)
         vh = values_BLgd.transpose(1, 2)
-        mask = allowed_BSL[:, None, None].expand(B, 1, g, S, allowed_BSL.shape[-1]).reshape(B, 1, g * S, -1)
-        ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)  # [B, ng, g*S, d]
+        if S == 1:
+            qh = q_SBnd.permute(1, 2, 0, 3).reshape(B, self.ng, g, self.d)  # [B, ng, g, d]
+            mask = allowed_BSL[:, None]  # [B, 1, 1, L]: the same row for the g queries
+        else:
+            qh = q_SBnd.permute(1, 2, 0, 3)  # [B, nh, S, d]
+            kh, vh = kh.repeat_interleave(g, dim=1), vh.repeat_interleave(g, dim=1)
+            mask = allowed_BSL[:, None]  # [B, 1, S, L]
+        ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
         return ctx.reshape(B, self.nh, S, self.d).permute(2, 0, 1, 3).reshape(S, B, self.nh * self.d)
 
     def logits(self, hidden_BH: torch.Tensor) -> torch.Tensor:
