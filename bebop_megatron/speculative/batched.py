@@ -26,7 +26,8 @@ vocabulary, row b's t-th token with the t-th uniform of ``torch.Generator().manu
 (float64), as ``HFBackend`` draws them: equal logits give equal tokens.
 
 CUDA graphs (``cuda_graphs=True``, CUDA only): the decode step (embedding, layers, final norm,
-logits) is captured once per (B, L) and replayed; the sampler runs outside the graph. This
+logits) is captured for the batch's (B, L) and replayed (re-captured when the shape changes: one
+graph and its caches at a time); the sampler runs outside the graph. This
 path has never run: it was written without a GPU (see docs/data.md).
 
 Supported: Megatron's standard self-attention layers (MHA / GQA, q/k norms, qkv bias, RoPE as
@@ -223,7 +224,8 @@ class BatchedGenerator:
         graph = None
         if self.cuda_graphs:
             graph = self._graphs.get((B, L))
-            if graph is None:
+            if graph is None:  # one graph (and its caches) at a time: each holds B x L cache slots per layer
+                self._graphs.clear()
                 graph = self._graphs[(B, L)] = _DecodeGraph(self, B, L)
             caches = graph.caches
         else:
