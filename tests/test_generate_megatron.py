@@ -153,6 +153,52 @@ def test_step_logits_equal_a_full_forward(tiny):
     assert worst < 1e-5, worst  # float64 model: the float32 cast of the logits is the error
 
 
+def test_graph_bookkeeping_with_a_stand_in_graph(tiny, monkeypatch):
+    """The CUDA-graph path on the CPU: a stand-in ``CUDAGraph`` whose replay re-runs the decode
+    step on the static inputs and caches and writes the captured output tensor, as a graph
+    would. Same tokens and logits as the eager path, over batches of two shapes (re-captured) and
+    of the first shape again. (Whether the capture itself works on CUDA is not tested: no GPU.)"""
+    import contextlib
+
+    from bebop_megatron.speculative import batched
+
+    class StandInGraph:
+        owner = None
+
+        def replay(self):
+            StandInGraph.owner.logits_BV.copy_(StandInGraph.owner.step())
+
+    class NoStream:
+        def wait_stream(self, other):
+            pass
+
+    captured = []
+    real_init = batched._DecodeGraph.__init__
+
+    def init(self, gen, B, L):
+        real_init(self, gen, B, L)
+        StandInGraph.owner = self
+        captured.append((B, L))
+
+    monkeypatch.setattr(torch.cuda, "Stream", NoStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: NoStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", StandInGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g: contextlib.nullcontext())
+    monkeypatch.setattr(batched._DecodeGraph, "__init__", init)
+    eager = batched.BatchedGenerator(tiny.model, tiny.vocab, eos_ids=[tiny.eos])
+    graphed = batched.BatchedGenerator(tiny.model, tiny.vocab, eos_ids=[tiny.eos])
+    graphed.cuda_graphs = True  # the constructor refuses it off CUDA
+    for lengths, seed in [((5, 13, 2), 0), ((60, 3, 9), 1), ((4, 8, 6), 2)]:
+        prompts = random_prompts(tiny.vocab, lengths, seed=seed)
+        kw = dict(max_new_tokens=10, temperature=1.0, keep_logits=True)
+        want = eager.generate(prompts, [7, 8, 9], **kw)
+        got = graphed.generate(prompts, [7, 8, 9], **kw)
+        assert got.tokens == want.tokens
+        assert torch.equal(got.logits, want.logits)
+    assert captured == [(3, 64), (3, 128), (3, 64)], captured
+
+
 def jobs_for(records, n: int, seed: int):
     prompts = [Prompt(r["id"], r.get("messages") or [{"role": "user", "content": r["prompt"]}], {}, i + 1)
                for i, r in enumerate(records)]

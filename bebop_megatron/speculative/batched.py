@@ -267,9 +267,11 @@ class BatchedGenerator:
 
 class _DecodeGraph:
     """The decode step of one (B, L) captured in a CUDA graph with static inputs, caches and
-    logits. NEVER RUN: written without a GPU (docs/data.md says so)."""
+    logits. NEVER RUN on a GPU: written without one (docs/data.md says so); its bookkeeping is
+    tested on the CPU with a stand-in graph that re-runs :meth:`step` on replay."""
 
     def __init__(self, gen: BatchedGenerator, B: int, L: int):
+        self.gen = gen
         self.caches = gen.new_caches(B, L)
         self.tokens_B = torch.zeros(B, dtype=torch.long, device=gen.device)
         self.slot = torch.zeros((), dtype=torch.long, device=gen.device)
@@ -278,11 +280,15 @@ class _DecodeGraph:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside the graph (allocator, lazy inits)
-                gen.decode_step(self.tokens_B, self.slot, self.pad_B, self.caches)
+                self.step()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits_BV = gen.decode_step(self.tokens_B, self.slot, self.pad_B, self.caches)
+            self.logits_BV = self.step()
+
+    def step(self) -> torch.Tensor:
+        """The decode step on the static inputs and caches (what the graph holds)."""
+        return self.gen.decode_step(self.tokens_B, self.slot, self.pad_B, self.caches)
 
     def replay(self, tokens_B, slot, pad_B) -> torch.Tensor:
         self.tokens_B.copy_(tokens_B)
