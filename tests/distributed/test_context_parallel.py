@@ -83,3 +83,36 @@ def test_context_parallel_matches_one_rank(runs, case):
         assert scale > 0, f"reference gradient of {key} is zero"
         torch.testing.assert_close(grads[key], ref_g, rtol=1e-4, atol=1e-5 * scale, msg=key)
     assert got["backbone_identical"] and got["optimizer_updates_exactly_trainable"]
+
+
+# ----------------------------------------------------------------------------- MLA, held-out pass
+# One more launch: Multi-Latent Attention (DeepSeek-style, MoE; value heads narrower than the
+# query/key heads, whose rotary part is sharded with the rows' 2C chunks) on packed rows, at
+# C=2 against C=1 on the same rows and weights, compared as test_context_parallel_matches_one_rank.
+
+MLA = ["model.family=moe", "model.num_experts=4", "model.num_query_groups=4", "model.multi_latent_attention=true",
+       "model.kv_lora_rank=16", "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8", "model.v_head_dim=8",
+       "model.q_lora_rank=32", "model.moe_first_dense_layers=1"]
+
+
+def _more_cases(corpus):
+    packed = [f"data.train_files=[{corpus}]", "model.vocab_size=512"]
+    return {"packed_mla_e2e_tv": [*packed, *MLA, "loss.type=e2e_tv"]}
+
+
+@pytest.fixture(scope="module")
+def more_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp_more")
+    cases = _more_cases(_corpus(root / "train.jsonl"))
+    refs = [(root / f"{name}_c1", BASE + extra, root / f"{name}_init") for name, extra in cases.items()]
+    cps = [(root / f"{name}_c2", BASE + extra + ["parallel.context=2", f"model.init_checkpoint={root / f'{name}_init'}"],
+            None) for name, extra in cases.items()]
+    results = run_cases(refs + cps, 2, root / "cases", alone=len(refs))
+    return {name: [(results[j], load_grads(path / "grads0"))
+                   for j, (path, _, _) in ((i, refs[i]), (len(refs) + i, cps[i]))]
+            for i, name in enumerate(cases)}
+
+
+@pytest.mark.parametrize("case", ["packed_mla_e2e_tv"])
+def test_context_parallel_mla_matches_one_rank(more_runs, case):
+    test_context_parallel_matches_one_rank(more_runs, case)
