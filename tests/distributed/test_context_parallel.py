@@ -86,9 +86,11 @@ def test_context_parallel_matches_one_rank(runs, case):
 
 
 # ----------------------------------------------------------------------------- MLA, held-out pass
-# One more launch: Multi-Latent Attention (DeepSeek-style, MoE; value heads narrower than the
-# query/key heads, whose rotary part is sharded with the rows' 2C chunks) on packed rows, at
-# C=2 against C=1 on the same rows and weights, compared as test_context_parallel_matches_one_rank.
+# One more launch, C=2 against C=1 on the same rows and weights: Multi-Latent Attention
+# (DeepSeek-style, MoE; value heads narrower than the query/key heads, whose rotary part is
+# sharded with the rows' 2C chunks) on packed rows, compared as test_context_parallel_matches_one_rank;
+# and the trainer's held-out pass (data.valid_files: the loss, the statistics and the decode-exact
+# forecast, whose recursion runs along whole rows) after 3 steps of packed CE training.
 
 MLA = ["model.family=moe", "model.num_experts=4", "model.num_query_groups=4", "model.multi_latent_attention=true",
        "model.kv_lora_rank=16", "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8", "model.v_head_dim=8",
@@ -97,7 +99,8 @@ MLA = ["model.family=moe", "model.num_experts=4", "model.num_query_groups=4", "m
 
 def _more_cases(corpus):
     packed = [f"data.train_files=[{corpus}]", "model.vocab_size=512"]
-    return {"packed_mla_e2e_tv": [*packed, *MLA, "loss.type=e2e_tv"]}
+    return {"packed_mla_e2e_tv": [*packed, *MLA, "loss.type=e2e_tv"],
+            "packed_ce_valid": [*packed, "loss.type=ce", f"data.valid_files=[{corpus}]", "eval.max_samples=6"]}
 
 
 @pytest.fixture(scope="module")
@@ -116,3 +119,12 @@ def more_runs(tmp_path_factory):
 @pytest.mark.parametrize("case", ["packed_mla_e2e_tv"])
 def test_context_parallel_mla_matches_one_rank(more_runs, case):
     test_context_parallel_matches_one_rank(more_runs, case)
+
+
+def test_context_parallel_held_out_pass_matches_one_rank(more_runs):
+    (ref, _), (got, _) = more_runs["packed_ce_valid"]
+    ref_v, got_v = ref["valid"], got["valid"]
+    assert len(ref_v["accept_len_decode_rs"]) == len(ref_v["accept_len_decode_to"]) == 3  # gamma = 1..K
+    for key, value in ref_v.items():
+        assert got_v[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert ref_v["accept_len_decode_rs"] != ref_v["accept_len_rs"]  # the forecast is its own number

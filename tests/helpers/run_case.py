@@ -13,7 +13,8 @@ waits for all of them before its next case.
 
 Writes (rank 0) ``DIR/result.json``: per-step loss / top-1 / grad norm, whether every
 backbone parameter is bit-identical after training, and the optimizer's parameter count
-against the trainable (MTP) parameter count. Writes ``DIR/grads0`` (all ranks): the MTP
+against the trainable (MTP) parameter count; with ``data.valid_files``, ``valid``: the held-out
+pass's metrics after the last step. Writes ``DIR/grads0`` (all ranks): the MTP
 gradients of step 0 as a Megatron distributed checkpoint, so that any layout's gradients
 load back as full, unsharded tensors for comparison.
 """
@@ -41,6 +42,10 @@ from bebop_megatron.training.model_weights import (
     save_model_checkpoint,
     use_in_process_write_results,
 )
+
+
+VALID_KEYS = ("loss", "top1", "alpha_rs", "alpha_to", "accept_len_rs", "accept_len_to", "accept_len_decode_rs",
+              "accept_len_decode_to", "kl")
 
 
 def save_mtp_grads(path: str, trainer: Trainer) -> None:
@@ -126,6 +131,7 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
         history.append({"loss": m.loss, "top1": m.top1, "ce": m.ce, "grad_norm": m.grad_norm,
                         "alpha_rs": m.alpha_rs, "alpha_to": m.alpha_to, "accept_len_rs": m.accept_len_rs})
 
+    valid = trainer.evaluate_valid()  # None without data.valid_files
     # Backbone bit-identical on every rank; optimizer holds exactly the trainable params.
     identical = all(torch.equal(p, backbone[n]) for n, p in module.named_parameters() if n in backbone)
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -157,6 +163,8 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
             "rank0_trainable_numel": int(counts[4]),
             "world_size": dist.get_world_size(),
         }
+        if valid is not None:
+            result["valid"] = {key: getattr(valid, key) for key in VALID_KEYS}
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f, indent=1)
