@@ -92,6 +92,10 @@ def test_context_parallel_matches_one_rank(runs, case):
 # and the trainer's held-out pass (data.valid_files: the loss, the statistics and the decode-exact
 # forecast, whose recursion runs along whole rows) after 3 steps of packed CE training.
 
+QWEN_HYBRID = ["model.layer_types=[linear_attention,full_attention]", "model.attention_output_gate=true",
+               "model.zero_centered_norms=true", "model.kv_channels=16", "model.rotary_percent=0.25",
+               "model.linear_key_head_dim=8", "model.linear_value_head_dim=8", "model.linear_num_key_heads=2",
+               "model.linear_num_value_heads=4", "model.qk_layernorm=true"]
 MLA = ["model.family=moe", "model.num_experts=4", "model.num_query_groups=4", "model.multi_latent_attention=true",
        "model.kv_lora_rank=16", "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8", "model.v_head_dim=8",
        "model.q_lora_rank=32", "model.moe_first_dense_layers=1"]
@@ -100,6 +104,8 @@ MLA = ["model.family=moe", "model.num_experts=4", "model.num_query_groups=4", "m
 def _more_cases(corpus):
     packed = [f"data.train_files=[{corpus}]", "model.vocab_size=512"]
     return {"packed_mla_e2e_tv": [*packed, *MLA, "loss.type=e2e_tv"],
+            "packed_qwen_hybrid": [*packed, *QWEN_HYBRID, "loss.type=e2e_tv"],
+            "causal_qwen_hybrid": [*QWEN_HYBRID, "loss.type=e2e_tv"],
             "packed_ce_valid": [*packed, "loss.type=ce", f"data.valid_files=[{corpus}]", "eval.max_samples=6"]}
 
 
@@ -116,8 +122,8 @@ def more_runs(tmp_path_factory):
             for i, name in enumerate(cases)}
 
 
-@pytest.mark.parametrize("case", ["packed_mla_e2e_tv"])
-def test_context_parallel_mla_matches_one_rank(more_runs, case):
+@pytest.mark.parametrize("case", ["packed_mla_e2e_tv", "packed_qwen_hybrid", "causal_qwen_hybrid"])
+def test_context_parallel_mla_and_gated_deltanet_match_one_rank(more_runs, case):
     test_context_parallel_matches_one_rank(more_runs, case)
 
 
