@@ -89,7 +89,8 @@ def check_args(args) -> str | None:
                 return (f"--seq {S} is not divisible by 2 x C = {2 * C} (C={C}: each row is split into 2C chunks, "
                         f"rank r holds chunks r and 2C-1-r)")
             if S // (2 * C) < args.mtp_steps:
-                return f"--seq {S} at C={C}: a chunk of S/2C = {S // (2 * C)} positions is shorter than --mtp-steps {args.mtp_steps}"
+                return (f"--seq {S} at C={C}: a chunk of S/2C = {S // (2 * C)} positions is shorter than "
+                        f"--mtp-steps {args.mtp_steps}")
     if args.device == "cuda":
         import torch
 
@@ -269,8 +270,9 @@ def main() -> None:
                            machine_extra=device_label(args.device))
     print()
     print("\n".join(table(rows, args.cp)))
-    print(f"(MB/rank: the largest rank's peak resident set, VmHWM, of the whole process; {time.perf_counter() - t_start:.0f} s)"
-          if args.device == "cpu" else f"(MB/rank: max_memory_allocated; {time.perf_counter() - t_start:.0f} s)")
+    what = "the largest rank's peak resident set, VmHWM, of the whole process" if args.device == "cpu" else \
+        "the largest rank's max_memory_allocated"
+    print(f"(MB/rank: {what}; {time.perf_counter() - t_start:.0f} s)")
     if not record:
         print("dry run: rows not recorded (set BENCH_RESULTS_CSV to record them)")
     if failures:
