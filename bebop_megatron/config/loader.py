@@ -174,7 +174,7 @@ def _validate_context_parallel(cfg) -> None:
                           "their recurrent state across CP chunks yet; use parallel.context=1")
     if m.multi_latent_attention:
         raise ConfigError(f"{pre} with model.multi_latent_attention=true is not implemented yet; use parallel.context=1")
-    for name, size in (("tensor", p.tensor), ("pipeline", p.pipeline), ("expert", p.expert)):
+    for name, size in (("pipeline", p.pipeline), ("expert", p.expert)):
         if size > 1:
             raise ConfigError(f"{pre} with parallel.{name}={size} is not implemented/tested yet; "
                               f"use parallel.{name}=1 with context parallelism")

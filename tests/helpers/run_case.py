@@ -156,6 +156,12 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
             "rank0_optimizer_numel": int(counts[3]),
             "rank0_trainable_numel": int(counts[4]),
             "world_size": dist.get_world_size(),
+            "layout": {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
+                       "context": parallel_state.get_context_parallel_world_size(),
+                       "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+                       "expert": parallel_state.get_expert_model_parallel_world_size(),
+                       "data": parallel_state.get_data_parallel_world_size(),
+                       "sequence_parallel": bool(module.config.sequence_parallel)},
         }
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "result.json"), "w") as f:
