@@ -85,7 +85,7 @@ def test_context_parallel_matches_one_rank(runs, case):
     assert got["backbone_identical"] and got["optimizer_updates_exactly_trainable"]
 
 
-# ----------------------------------------------------------------------------- with TP + SP (4 ranks)
+# ----------------------------------------------------------------------------- with TP + SP, DP (4 ranks)
 
 # name -> (reference, overrides of the 4-rank run, the layout Megatron-Core builds from them)
 LAYOUTS_4 = {
@@ -93,6 +93,9 @@ LAYOUTS_4 = {
                    dict(tensor=2, context=2, data=1, pipeline=1, expert=1, sequence_parallel=True)),
     "tp2_sp_cp2_packed_ce": ("packed_ce", ["parallel.tensor=2", "parallel.sequence_parallel=true"],
                              dict(tensor=2, context=2, data=1, pipeline=1, expert=1, sequence_parallel=True)),
+    "dp2_cp2_distributed_optimizer": ("causal_e2e_tv", ["parallel.distributed_optimizer=true"],
+                                      dict(tensor=1, context=2, data=2, pipeline=1, expert=1,
+                                           sequence_parallel=False)),
 }
 
 
@@ -114,7 +117,8 @@ def runs_4(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
 def test_context_parallel_with_other_parallelisms_matches_one_rank(runs_4, layout):
-    """C=2 with TP=2 + SP on 4 ranks against the single-rank run on the same rows."""
+    """C=2 with TP=2 + SP, and with DP=2 (the distributed optimizer: gradients reduce-scattered over
+    DP x CP), on 4 ranks against the single-rank run on the same rows (the same global batch)."""
     ref_name, _, sizes = LAYOUTS_4[layout]
     (ref, ref_grads), (got, grads) = runs_4[ref_name], runs_4[layout]
     assert got["layout"] == sizes and got["world_size"] == 4

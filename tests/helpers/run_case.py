@@ -132,9 +132,10 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
     opt = optimizer_params(trainer.optimizer)
     opt_ids = {id(p) for p in opt}
     # Every trainable parameter is updated by some data-parallel rank (all of them on every
-    # rank unless the optimizer is distributed), and nothing else is.
+    # rank unless the optimizer is distributed, which shards over DP x CP), and nothing else is.
     covered = torch.tensor([float(id(p) in opt_ids) for p in trainable])
-    dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=dp_cp_group)
     counts = torch.tensor(
         [
             float(identical),
