@@ -59,8 +59,6 @@ BAD_OVERRIDES = [
     pytest.param(["mtp.num_layers=2", "mtp.num_steps=3"], ["mtp.num_layers", "mtp.num_steps"],
                  id="mtp-layers-vs-steps"),
     # parallel.context > 1: the combinations not built or tested are refused (one line each)
-    pytest.param(["parallel.context=2", "parallel.tensor=1", "parallel.pipeline=2"],
-                 ["parallel.context", "parallel.pipeline"], id="context-parallel-with-pp"),
     pytest.param(["parallel.context=2", "parallel.tensor=1", "model.attention_backend=unfused"],
                  ["parallel.context", "model.attention_backend"], id="context-parallel-unfused"),
     pytest.param(["parallel.context=2", "parallel.tensor=1", "model.multi_latent_attention=true",

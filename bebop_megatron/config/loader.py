@@ -174,10 +174,6 @@ def _validate_context_parallel(cfg) -> None:
                           "their recurrent state across CP chunks yet; use parallel.context=1")
     if m.multi_latent_attention:
         raise ConfigError(f"{pre} with model.multi_latent_attention=true is not implemented yet; use parallel.context=1")
-    for name, size in (("pipeline", p.pipeline), ("expert", p.expert)):
-        if size > 1:
-            raise ConfigError(f"{pre} with parallel.{name}={size} is not implemented/tested yet; "
-                              f"use parallel.{name}=1 with context parallelism")
     if cfg.data.valid_files:
         raise ConfigError(f"{pre}: the held-out pass (data.valid_files) does not run under context "
                           "parallelism yet (its decode-exact forecast needs whole rows); use parallel.context=1")

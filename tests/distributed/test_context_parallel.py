@@ -85,8 +85,10 @@ def test_context_parallel_matches_one_rank(runs, case):
     assert got["backbone_identical"] and got["optimizer_updates_exactly_trainable"]
 
 
-# ----------------------------------------------------------------------------- with TP + SP, DP (4 ranks)
+# ----------------------------------------------------------------------------- with TP + SP, DP, PP, EP (4 ranks)
 
+MOE = ["model.family=moe", "model.num_experts=4", "model.moe_router_topk=2", "model.ffn_hidden_size=64",
+       "model.moe_shared_expert_intermediate_size=64", "model.moe_aux_loss_coeff=0.1"]
 # name -> (reference, overrides of the 4-rank run, the layout Megatron-Core builds from them)
 LAYOUTS_4 = {
     "tp2_sp_cp2": ("causal_e2e_tv", ["parallel.tensor=2", "parallel.sequence_parallel=true"],
@@ -96,6 +98,10 @@ LAYOUTS_4 = {
     "dp2_cp2_distributed_optimizer": ("causal_e2e_tv", ["parallel.distributed_optimizer=true"],
                                       dict(tensor=1, context=2, data=2, pipeline=1, expert=1,
                                            sequence_parallel=False)),
+    "pp2_cp2": ("causal_e2e_tv", ["parallel.pipeline=2"],
+                dict(tensor=1, context=2, data=1, pipeline=2, expert=1, sequence_parallel=False)),
+    "ep2_cp2_moe": ("moe_e2e_tv", ["parallel.expert=2"],
+                    dict(tensor=1, context=2, data=2, pipeline=1, expert=2, sequence_parallel=False)),
 }
 
 
@@ -106,6 +112,7 @@ def runs_4(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp4")
     cases = _cases(_corpus(root / "train.jsonl"))
     refs = {name: cases[name] for name in ("causal_e2e_tv", "packed_ce")}
+    refs["moe_e2e_tv"] = [*MOE, "loss.type=e2e_tv"]
     ref_runs = [(root / name, BASE + extra, root / f"{name}_init") for name, extra in refs.items()]
     runs = [(root / name, BASE + refs[ref] + overrides + ["parallel.context=2",
                                                           f"model.init_checkpoint={root / f'{ref}_init'}"], None)
@@ -117,8 +124,10 @@ def runs_4(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS_4))
 def test_context_parallel_with_other_parallelisms_matches_one_rank(runs_4, layout):
-    """C=2 with TP=2 + SP, and with DP=2 (the distributed optimizer: gradients reduce-scattered over
-    DP x CP), on 4 ranks against the single-rank run on the same rows (the same global batch)."""
+    """C=2 with TP=2 + SP, with DP=2 (the distributed optimizer: gradients reduce-scattered over
+    DP x CP), with PP=2 (the stages send this CP rank's chunks) and with EP=2 (a MoE MTP layer with
+    the router's auxiliary loss; DP=2 too), on 4 ranks against the single-rank run on the same
+    rows (the same global batch)."""
     ref_name, _, sizes = LAYOUTS_4[layout]
     (ref, ref_grads), (got, grads) = runs_4[ref_name], runs_4[layout]
     assert got["layout"] == sizes and got["world_size"] == 4
