@@ -131,6 +131,7 @@ def test_context_parallel_with_other_parallelisms_matches_one_rank(runs_4, layou
     ref_name, _, sizes = LAYOUTS_4[layout]
     (ref, ref_grads), (got, grads) = runs_4[ref_name], runs_4[layout]
     assert got["layout"] == sizes and got["world_size"] == 4
+    assert f"TP={sizes['tensor']} CP=2 PP={sizes['pipeline']} EP={sizes['expert']}" in got["summary"]
     ref_h, got_h = ref["history"], got["history"]
     assert len(ref_h) == len(got_h) == STEPS
     for step, (r, g) in enumerate(zip(ref_h, got_h)):

@@ -147,6 +147,7 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
         dtype=torch.float64,
     )
     flags = counts[:3].clone()
+    summary = trainer.summary()  # the start-up line (a collective: every rank)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if dist.get_rank() == 0:
         result = {
@@ -157,6 +158,7 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
             "rank0_optimizer_numel": int(counts[3]),
             "rank0_trainable_numel": int(counts[4]),
             "world_size": dist.get_world_size(),
+            "summary": summary,
             "layout": {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
                        "context": parallel_state.get_context_parallel_world_size(),
                        "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
