@@ -12,6 +12,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from bebop_megatron.config.checkpoints import validate_checkpoints
 from bebop_megatron.config.errors import ConfigError
+from bebop_megatron.config.hybrid import has_linear_attention
 from bebop_megatron.config.outputs import validate_outputs
 from bebop_megatron.config.schema import Config
 from bebop_megatron.config.sizes import validate_sizes
@@ -168,10 +169,9 @@ def _validate_context_parallel(cfg) -> None:
         raise ConfigError(f"{pre} runs with the local layers only (model.transformer_impl=local or auto)")
     if m.attention_backend != "sdpa":
         raise ConfigError(f"{pre} needs model.attention_backend=sdpa (the unfused attention has no CP)")
-    for name, size in (("tensor", p.tensor), ("pipeline", p.pipeline), ("expert", p.expert)):
-        if size > 1:
-            raise ConfigError(f"{pre} with parallel.{name}={size} is not implemented/tested yet; "
-                              f"use parallel.{name}=1 with context parallelism")
+    if has_linear_attention(m) and p.sequence_parallel:
+        raise ConfigError(f"{pre}: Gated DeltaNet layers (model.layer_types with linear_attention) gather whole rows "
+                          "over the CP group and take no sequence-parallel shards; set parallel.sequence_parallel=false")
 
 
 def validate(cfg: Config) -> None:

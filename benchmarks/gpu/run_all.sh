@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository in one run on a machine with one NVIDIA GPU (H200 class),
-# no internet, no Transformer Engine; under 8 minutes (each part has its own time limit).
+# no internet, no Transformer Engine; under 8 minutes (each part has its own time limit; with >= 2
+# GPUs the cp part runs first, 2.5 minutes more at most).
 #
 #   benchmarks/gpu/run_all.sh [--out DIR]     # on the GPU machine, from anywhere
 #   benchmarks/gpu/run_all.sh --dry-run       # CPU only, tiny sizes: checks that every part still runs
 #
 # Parts (logs and a CSV land in DIR, default $OUT or benchmarks/gpu/out):
+#   0. cp     benchmarks/bench_context_parallel.py --device cuda: context parallelism (NCCL) on one row of
+#             32K, 64K, 128K tokens of a tiny model, C=1 (one GPU) and C=2 (two GPUs): step time, peak memory
+#             per rank, C=2's losses against C=1's. First, and only on a machine with >= 2 GPUs (one line
+#             says it was skipped otherwise); the dry run runs it at C=2 on two CPU ranks (gloo), tiny rows
 #   1. loss   benchmarks/benchmark_tv_loss.py --impls torch,triton: the fused e2e TV loss, torch vs
 #             Triton kernels, K=3 T=8192 H=4096 V=151936 bf16: time, peak memory, time / projection GEMMs,
 #             and where each step's kernel time goes (--profile: GEMMs, Triton, reductions, elementwise)
@@ -30,7 +35,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --out) [ $# -ge 2 ] || { echo "error: --out needs a directory" >&2; exit 2; }; outdir=$2; shift ;;
-    -h|--help) sed -n '2,20p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument '$1' (use --dry-run, --out DIR)" >&2; exit 2 ;;
   esac
   shift
@@ -58,6 +63,9 @@ if [ $dry = 0 ]; then
   step=(--device cuda --precision bf16 --variants unfused:1,sdpa:1,sdpa:4)
   tests=(-m gpu --durations=5 tests/test_kernel_triton.py tests/test_lk_triton.py)
   limits=(90 240 240)
+  ngpu=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  cp=(--device cuda --seq 32768 65536 131072 --cp 1 2 --steps 3)
+  cp_limit=150
 else
   export BEBOP_ALLOW_SLOW_BF16=1  # bf16 on the CPU at tiny sizes: slow GEMMs do not matter here
   loss=(--impls torch --device cpu --dtype bf16 --steps 3 --tokens 48 --hidden 32 --vocab 500 --chunk-tokens 32
@@ -66,6 +74,9 @@ else
         --global-batch 4 --steps 1 --warmup 1 --variants unfused:1,sdpa:2)
   tests=(--collect-only -m gpu tests/test_kernel_triton.py tests/test_lk_triton.py)
   limits=(120 120 120)
+  ngpu=2  # stands in for a multi-GPU machine: the cp part runs on two CPU ranks
+  cp=(--device cpu --dry-run --cp 2)
+  cp_limit=120
 fi
 
 failed=0
@@ -81,6 +92,12 @@ part() {  # name, time limit in seconds, command...
 }
 
 : > "$outdir/summary.txt"
+# Context parallelism needs one GPU per rank: the first thing a machine with >= 2 GPUs runs.
+if [ "$ngpu" -ge 2 ]; then
+  part cp "$cp_limit" "$py" benchmarks/bench_context_parallel.py "${cp[@]}"
+else
+  echo "=== cp: skipped (context parallelism needs >= 2 GPUs; this machine has $ngpu)" | tee -a "$outdir/summary.txt"
+fi
 part loss "${limits[0]}" "$py" benchmarks/benchmark_tv_loss.py "${loss[@]}"
 part step "${limits[1]}" "$py" benchmarks/gpu/bench_train_step.py "${step[@]}"
 part tests "${limits[2]}" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"

@@ -85,6 +85,69 @@ def test_context_parallel_matches_one_rank(runs, case):
     assert got["backbone_identical"] and got["optimizer_updates_exactly_trainable"]
 
 
+# ----------------------------------------------------------------------------- with TP + SP, DP, PP, EP (4 ranks)
+
+MOE = ["model.family=moe", "model.num_experts=4", "model.moe_router_topk=2", "model.ffn_hidden_size=64",
+       "model.moe_shared_expert_intermediate_size=64", "model.moe_aux_loss_coeff=0.1"]
+# name -> (reference, overrides of the 4-rank run, the layout Megatron-Core builds from them)
+LAYOUTS_4 = {
+    "tp2_sp_cp2": ("causal_e2e_tv", ["parallel.tensor=2", "parallel.sequence_parallel=true"],
+                   dict(tensor=2, context=2, data=1, pipeline=1, expert=1, sequence_parallel=True)),
+    "tp2_sp_cp2_packed_ce": ("packed_ce", ["parallel.tensor=2", "parallel.sequence_parallel=true"],
+                             dict(tensor=2, context=2, data=1, pipeline=1, expert=1, sequence_parallel=True)),
+    "dp2_cp2_distributed_optimizer": ("causal_e2e_tv", ["parallel.distributed_optimizer=true"],
+                                      dict(tensor=1, context=2, data=2, pipeline=1, expert=1,
+                                           sequence_parallel=False)),
+    "pp2_cp2": ("causal_e2e_tv", ["parallel.pipeline=2"],
+                dict(tensor=1, context=2, data=1, pipeline=2, expert=1, sequence_parallel=False)),
+    "ep2_cp2_moe": ("moe_e2e_tv", ["parallel.expert=2"],
+                    dict(tensor=1, context=2, data=2, pipeline=1, expert=2, sequence_parallel=False)),
+}
+
+
+@pytest.fixture(scope="module")
+def runs_4(tmp_path_factory):
+    """One 4-rank launch: the single-rank references (shared out over the ranks), then every
+    layout of :data:`LAYOUTS_4` at ``parallel.context=2`` from the reference's initial weights."""
+    root = tmp_path_factory.mktemp("cp4")
+    cases = _cases(_corpus(root / "train.jsonl"))
+    refs = {name: cases[name] for name in ("causal_e2e_tv", "packed_ce")}
+    refs["moe_e2e_tv"] = [*MOE, "loss.type=e2e_tv"]
+    ref_runs = [(root / name, BASE + extra, root / f"{name}_init") for name, extra in refs.items()]
+    runs = [(root / name, BASE + refs[ref] + overrides + ["parallel.context=2",
+                                                          f"model.init_checkpoint={root / f'{ref}_init'}"], None)
+            for name, (ref, overrides, _) in LAYOUTS_4.items()]
+    results = run_cases(ref_runs + runs, 4, root / "cases", alone=len(ref_runs))
+    return {path.name: (result, load_grads(path / "grads0"))
+            for (path, _, _), result in zip(ref_runs + runs, results)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS_4))
+def test_context_parallel_with_other_parallelisms_matches_one_rank(runs_4, layout):
+    """C=2 with TP=2 + SP, with DP=2 (the distributed optimizer: gradients reduce-scattered over
+    DP x CP), with PP=2 (the stages send this CP rank's chunks) and with EP=2 (a MoE MTP layer with
+    the router's auxiliary loss; DP=2 too), on 4 ranks against the single-rank run on the same
+    rows (the same global batch)."""
+    ref_name, _, sizes = LAYOUTS_4[layout]
+    (ref, ref_grads), (got, grads) = runs_4[ref_name], runs_4[layout]
+    assert got["layout"] == sizes and got["world_size"] == 4
+    assert f"TP={sizes['tensor']} CP=2 PP={sizes['pipeline']} EP={sizes['expert']}" in got["summary"]
+    ref_h, got_h = ref["history"], got["history"]
+    assert len(ref_h) == len(got_h) == STEPS
+    for step, (r, g) in enumerate(zip(ref_h, got_h)):
+        assert g["loss"] == pytest.approx(r["loss"], rel=1e-5), f"step {step}"
+        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), f"step {step} grad_norm"
+        for key in ("alpha_rs", "alpha_to", "accept_len_rs", "top1", "ce"):
+            assert g[key] == pytest.approx(r[key], rel=1e-5, abs=1e-6), f"step {step} {key}"
+    assert ref_h[-1]["loss"] < ref_h[0]["loss"]
+    assert set(grads) == set(ref_grads) and ref_grads
+    for key, ref_g in ref_grads.items():
+        scale = ref_g.abs().max().item()
+        assert scale > 0, f"reference gradient of {key} is zero"
+        torch.testing.assert_close(grads[key], ref_g, rtol=1e-4, atol=1e-5 * scale, msg=key)
+    assert got["backbone_identical"] and got["optimizer_updates_exactly_trainable"]
+
+
 # ----------------------------------------------------------------------------- MLA, held-out pass
 # One more launch, C=2 against C=1 on the same rows and weights: Multi-Latent Attention
 # (DeepSeek-style, MoE; value heads narrower than the query/key heads, whose rotary part is

@@ -138,9 +138,10 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
     opt = optimizer_params(trainer.optimizer)
     opt_ids = {id(p) for p in opt}
     # Every trainable parameter is updated by some data-parallel rank (all of them on every
-    # rank unless the optimizer is distributed), and nothing else is.
+    # rank unless the optimizer is distributed, which shards over DP x CP), and nothing else is.
     covered = torch.tensor([float(id(p) in opt_ids) for p in trainable])
-    dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=dp_cp_group)
     counts = torch.tensor(
         [
             float(identical),
@@ -152,6 +153,7 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
         dtype=torch.float64,
     )
     flags = counts[:3].clone()
+    summary = trainer.summary()  # the start-up line (a collective: every rank)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if dist.get_rank() == 0:
         result = {
@@ -162,6 +164,13 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
             "rank0_optimizer_numel": int(counts[3]),
             "rank0_trainable_numel": int(counts[4]),
             "world_size": dist.get_world_size(),
+            "summary": summary,
+            "layout": {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
+                       "context": parallel_state.get_context_parallel_world_size(),
+                       "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+                       "expert": parallel_state.get_expert_model_parallel_world_size(),
+                       "data": parallel_state.get_data_parallel_world_size(),
+                       "sequence_parallel": bool(module.config.sequence_parallel)},
         }
         if valid is not None:
             result["valid"] = {key: getattr(valid, key) for key in VALID_KEYS}
