@@ -40,9 +40,10 @@ same seeded initialisation). The model is loaded at TP=``--tensor-parallel``, PP
 checkpointing reshards any saved layout) and CP=``--context-parallel`` (each row's forward
 split over C ranks as in training, ``parallel.context``; the hidden states are gathered back
 into whole rows, so each CP rank computes the statistics of the whole rows: no ``--sample``,
-no measured costs); the other ranks of the world are data-parallel and share the rows. Positions follow the training loss: step k at t is valid when t+k is a
-trained token of t's document, and a chain stops at its first invalid step. Data without
-a valid position (e.g. every response truncated away) is refused, not reported as alpha 0.
+no measured costs); the other ranks of the world are data-parallel and share the rows.
+Positions follow the training loss: step k at t is valid when t+k is a trained token of t's
+document, and a chain stops at its first invalid step. Data without a valid position (e.g.
+every response truncated away) is refused, not reported as alpha 0.
 """
 
 from __future__ import annotations

@@ -170,8 +170,9 @@ def _validate_context_parallel(cfg) -> None:
     if m.attention_backend != "sdpa":
         raise ConfigError(f"{pre} needs model.attention_backend=sdpa (the unfused attention has no CP)")
     if has_linear_attention(m) and p.sequence_parallel:
-        raise ConfigError(f"{pre}: Gated DeltaNet layers (model.layer_types with linear_attention) gather whole rows "
-                          "over the CP group and take no sequence-parallel shards; set parallel.sequence_parallel=false")
+        raise ConfigError(f"{pre}: Gated DeltaNet layers (model.layer_types with linear_attention) gather whole "
+                          "rows over the CP group and take no sequence-parallel shards; "
+                          "set parallel.sequence_parallel=false")
 
 
 def validate(cfg: Config) -> None:

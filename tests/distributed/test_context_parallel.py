@@ -177,8 +177,9 @@ def more_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_more")
     cases = _more_cases(_corpus(root / "train.jsonl"))
     refs = [(root / f"{name}_c1", BASE + extra, root / f"{name}_init") for name, extra in cases.items()]
-    cps = [(root / f"{name}_c2", BASE + extra + ["parallel.context=2", f"model.init_checkpoint={root / f'{name}_init'}"],
-            None) for name, extra in cases.items()]
+    cps = [(root / f"{name}_c2", BASE + extra + ["parallel.context=2",
+                                                 f"model.init_checkpoint={root / f'{name}_init'}"], None)
+           for name, extra in cases.items()]
     results = run_cases(refs + cps, 2, root / "cases", alone=len(refs))
     return {name: [(results[j], load_grads(path / "grads0"))
                    for j, (path, _, _) in ((i, refs[i]), (len(refs) + i, cps[i]))]
