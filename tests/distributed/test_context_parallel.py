@@ -148,12 +148,13 @@ def test_context_parallel_with_other_parallelisms_matches_one_rank(runs_4, layou
     assert got["backbone_identical"] and got["optimizer_updates_exactly_trainable"]
 
 
-# ----------------------------------------------------------------------------- MLA, held-out pass
-# One more launch, C=2 against C=1 on the same rows and weights: Multi-Latent Attention
-# (DeepSeek-style, MoE; value heads narrower than the query/key heads, whose rotary part is
-# sharded with the rows' 2C chunks) on packed rows, compared as test_context_parallel_matches_one_rank;
-# and the trainer's held-out pass (data.valid_files: the loss, the statistics and the decode-exact
-# forecast, whose recursion runs along whole rows) after 3 steps of packed CE training.
+# ----------------------------------------------------------------------------- MLA, Gated DeltaNet, held-out pass
+# One more 2-rank launch, C=2 against C=1 on the same rows and weights, compared as
+# test_context_parallel_matches_one_rank: Multi-Latent Attention (DeepSeek-style, MoE; value heads
+# narrower than the query/key heads, whose rotary part is sharded with the rows' 2C chunks) on packed
+# rows with CE, whose run also compares the trainer's held-out pass after its 3 steps (data.valid_files:
+# the loss, the statistics and the decode-exact forecast, whose recursion runs along whole rows); and
+# a Qwen3-Next-style hybrid (Gated DeltaNet layers: recurrent along the whole row) on causal and packed rows.
 
 QWEN_HYBRID = ["model.layer_types=[linear_attention,full_attention]", "model.attention_output_gate=true",
                "model.zero_centered_norms=true", "model.kv_channels=16", "model.rotary_percent=0.25",
@@ -166,10 +167,10 @@ MLA = ["model.family=moe", "model.num_experts=4", "model.num_query_groups=4", "m
 
 def _more_cases(corpus):
     packed = [f"data.train_files=[{corpus}]", "model.vocab_size=512"]
-    return {"packed_mla_e2e_tv": [*packed, *MLA, "loss.type=e2e_tv"],
+    return {"packed_mla_ce_valid": [*packed, *MLA, "loss.type=ce", f"data.valid_files=[{corpus}]",
+                                    "eval.max_samples=6"],
             "packed_qwen_hybrid": [*packed, *QWEN_HYBRID, "loss.type=e2e_tv"],
-            "causal_qwen_hybrid": [*QWEN_HYBRID, "loss.type=e2e_tv"],
-            "packed_ce_valid": [*packed, "loss.type=ce", f"data.valid_files=[{corpus}]", "eval.max_samples=6"]}
+            "causal_qwen_hybrid": [*QWEN_HYBRID, "loss.type=e2e_tv"]}
 
 
 @pytest.fixture(scope="module")
@@ -186,13 +187,13 @@ def more_runs(tmp_path_factory):
             for i, name in enumerate(cases)}
 
 
-@pytest.mark.parametrize("case", ["packed_mla_e2e_tv", "packed_qwen_hybrid", "causal_qwen_hybrid"])
+@pytest.mark.parametrize("case", ["packed_mla_ce_valid", "packed_qwen_hybrid", "causal_qwen_hybrid"])
 def test_context_parallel_mla_and_gated_deltanet_match_one_rank(more_runs, case):
     test_context_parallel_matches_one_rank(more_runs, case)
 
 
 def test_context_parallel_held_out_pass_matches_one_rank(more_runs):
-    (ref, _), (got, _) = more_runs["packed_ce_valid"]
+    (ref, _), (got, _) = more_runs["packed_mla_ce_valid"]
     ref_v, got_v = ref["valid"], got["valid"]
     assert len(ref_v["accept_len_decode_rs"]) == len(ref_v["accept_len_decode_to"]) == 3  # gamma = 1..K
     for key, value in ref_v.items():
