@@ -77,7 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--eval-chunk-positions", type=int, default=4096)
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     s.add_argument("--precision", default=None, help="default fp32 on cpu, bf16 on cuda")
-    s.add_argument("--ranks", type=int, default=1, help="processes per run (only 1 so far)")
+    s.add_argument("--ranks", type=int, default=1,
+                   help="processes per run, tensor parallel (default 1: in this process); N > 1: every run is N "
+                        "processes of its own under torchrun (N must divide the model's key-value heads, FFN and "
+                        "padded vocabulary), e.g. 2 on 2 CPU cores for a model that does not train fast in one")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config override")
     s.add_argument("--seed", type=int, default=1234, help="seed of response generation (default 1234)")
     s.add_argument("--title", default="", help="the report's title (default: the model)")
@@ -95,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--prompts needs --model or --hf-dir (the responses are generated with transformers)")
     for name in ("num_train", "num_heldout", "max_new_tokens", "gen_batch_size", "tokens", "seq_length",
                  "micro_batch_size", "global_batch_size", "curve_points", "curve_rows", "loss_chunk_tokens",
-                 "eval_chunk_positions", "num_boot", "mtp_num_steps"):
+                 "eval_chunk_positions", "num_boot", "mtp_num_steps", "ranks"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("lr", "ft_lr"):
@@ -103,8 +106,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if args.gen_budget_s is not None and not args.gen_budget_s > 0:
         p.error(f"--gen-budget-s must be positive, got {args.gen_budget_s}")
-    if args.ranks != 1:
-        p.error("--ranks: only 1 process per run so far (use --device cuda for a GPU)")
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
     return args
 
@@ -141,7 +142,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     import time
 
-    from bebop_megatron.study.driver import StudyPlan, check_plan, run_study
+    from bebop_megatron.study.driver import StudyPlan, check_plan, check_ranks, run_study
     from bebop_megatron.study.log import StudyError, log, set_log_file
     from bebop_megatron.study.report import write_report
     from bebop_megatron.study.stages import prompt_sets, stage_import, stage_responses, stage_tokenize
@@ -162,7 +163,8 @@ def main(argv=None) -> None:
                      micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                      warmup_fraction=args.warmup_fraction, curve_points=args.curve_points, curve_rows=args.curve_rows,
                      loss_chunk_tokens=args.loss_chunk_tokens, chunk_positions=args.eval_chunk_positions,
-                     device=args.device, precision=args.precision, overrides=list(args.set), verbose=args.verbose,
+                     device=args.device, precision=args.precision, ranks=args.ranks, overrides=list(args.set),
+                     verbose=args.verbose,
                      title=args.title or args.model or Path(args.hf_dir or args.megatron).name)
     check_plan(plan)
     if args.report_only:
@@ -176,6 +178,7 @@ def main(argv=None) -> None:
                                                                                  mtp_num_steps=args.mtp_num_steps)
     if not (plan.meg / "bebop_model.yaml").is_file():
         raise StudyError(f"{plan.meg}: no bebop_model.yaml (not an import of tools/convert_from_hf.py)")
+    check_ranks(plan)  # before the responses: a model that --ranks cannot split is refused at once
     if args.prompts:
         data = work / "data"
         sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout)
