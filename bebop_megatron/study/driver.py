@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bebop_megatron.study.log import StudyError, log
-from bebop_megatron.study.runs import is_finished, read_record, run_one, train_config
+from bebop_megatron.study.runs import RunConfig, is_finished, read_record, run_one, train_config
 from bebop_megatron.study.stages import is_done, mark_done
 
 CONDITIONS = ("fresh", "existing")
@@ -105,6 +105,8 @@ def check_ranks(plan: StudyPlan) -> None:
 
     run = train_config(plan, loss="ce", seed=0, steps=plan.steps, lr=plan.lr, data_seed=0, init_checkpoint=None,
                        curve_interval=1)
+    index = run.overrides.index(f"parallel.tensor={plan.ranks}")
+    RunConfig(run.file, run.overrides[:index] + ["parallel.tensor=1"] + run.overrides[index + 1:]).load()  # any other error as it is
     try:
         parallel_sizes(run.load(), plan.ranks)
     except ValueError as err:
