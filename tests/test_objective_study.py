@@ -282,8 +282,8 @@ def test_finished_runs_of_another_size_are_refused(tmp_path):
 
 def test_ranks_2_gives_the_held_out_statistics_of_one_process(dry_run, tmp_path):
     """The same run (the tiny random Llama, fresh e2e_tv head, seed 0, 3 steps, fp32) in one process
-    (the dry run's, --ranks 1) and in 2 processes at tensor parallel 2 (--ranks 2, on a copy of
-    the dry run's import and responses): the same held-out positions and texts, and the same
+    (the dry run's, --ranks 1) and in 2 processes at tensor parallel 2 (--ranks 2, on the dry run's
+    import given with --megatron, a copy of its responses, --keep-checkpoints): the same held-out positions and texts, and the same
     statistics up to fp32 rounding. The fresh MTP layer starts alike at both layouts (Megatron's
     CPU initialisation, as tests/distributed/test_layouts.py relies on) and the data order is the
     same (one data-parallel rank); TP changes only the order of sums (the vocabulary-parallel
@@ -295,19 +295,21 @@ def test_ranks_2_gives_the_held_out_statistics_of_one_process(dry_run, tmp_path)
 
     study, _, _, _ = dry_run
     two = tmp_path / "two"
-    for stage in ("megatron", "data"):  # the same import and responses: only the layout differs
-        shutil.copytree(study / "work" / stage, two / stage)
+    shutil.copytree(study / "work" / "data", two / "data")  # the same import and responses: only the layout differs
     tool = [sys.executable, str(REPO / "tools" / "objective_study.py")]
     sizes = [*STUDY[:STUDY.index("--objectives")], "--objectives", "e2e_tv", "--seeds", "0", "--conditions", "fresh"]
-    command = [*tool, "--hf-dir", str(study / "hf"), "--prompts", str(study / "prompts"), "--work", str(two), *sizes]
+    command = [*tool, "--hf-dir", str(study / "hf"), "--megatron", str(study / "work" / "megatron"), "--prompts",
+               str(study / "prompts"), "--work", str(two), *sizes, "--keep-checkpoints"]
     proc = forkserver.run([*command, "--ranks", "2"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "import:" not in proc.stdout and "responses (" not in proc.stdout and "[1/1] fresh/e2e_tv/seed0" in proc.stdout
+    assert f"import: {study / 'work' / 'megatron'} (given; the responses come from {study / 'hf'})" in proc.stdout
+    assert "responses (" not in proc.stdout and "[1/1] fresh/e2e_tv/seed0" in proc.stdout
     run = "runs/fresh/e2e_tv/seed0"
     r1, r2 = (json.loads((w / run / "record.json").read_text()) for w in (study / "work", two))
     assert r2["ranks"] == 2 and r2["steps"] == r1["steps"] == 3
-    assert not (two / run / "ckpt").exists() and (two / run / "launch.json").is_file()
+    assert (two / run / "launch.json").is_file()
+    assert (two / run / "ckpt" / "latest").is_file()  # --keep-checkpoints: the last one stays (the dry run's went)
     rows1, rows2 = np.load(study / "work" / run / "rows.npz"), np.load(two / run / "rows.npz")
     assert sorted(rows1.files) == sorted(rows2.files)
     for key in rows1.files:

@@ -12,7 +12,7 @@
     python tools/objective_study.py --work WORK --report-only [same options]
 
 Stages, each resumable from --work (a complete stage is skipped; run the same command again after
-an interruption): the import (tools/convert_from_hf.py); the responses (batched transformers
+an interruption): the import (tools/convert_from_hf.py; none with --megatron); the responses (batched transformers
 generate at T=1, train and held-out prompts disjoint) and their indexed datasets; for the
 ``existing`` condition the seed's ce head; then every (condition, seed, objective) run: the
 training with learning curves (the trainer's held-out pass: alpha, E[L] by Eq. 12 and the
@@ -37,11 +37,13 @@ OBJECTIVES = "ce,kl,e2e_tv,e2e_nla,e2e_lk"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = p.add_argument_group("the model (one of)")
+    m = p.add_argument_group("the model (--model or --hf-dir, --megatron, or --megatron with either)")
     m.add_argument("--model", help="a registry name of benchmarks/real_model/models.py (fetched and dequantized "
                                    "into $BEBOP_CACHE/NAME/hf when missing)")
     m.add_argument("--hf-dir", help="a Hugging Face model folder (any family tools/convert_from_hf.py handles)")
-    m.add_argument("--megatron", help="an import of tools/convert_from_hf.py (its MTP layers for --existing import)")
+    m.add_argument("--megatron", help="an import of tools/convert_from_hf.py (its MTP layers for --existing import); "
+                                      "with --model or --hf-dir: the import of that model, which then only answers "
+                                      "--prompts (no import stage)")
     m.add_argument("--mtp-num-steps", type=int, default=3, help="MTP steps of the import (default 3)")
     d = p.add_argument_group("the data (one of)")
     d.add_argument("--prompts", help="prompts: one JSONL file (the first --num-heldout held out) or a folder of "
@@ -85,16 +87,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--seed", type=int, default=1234, help="seed of response generation (default 1234)")
     s.add_argument("--title", default="", help="the report's title (default: the model)")
     s.add_argument("--report-only", action="store_true", help="write the report of the finished runs and stop")
+    s.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each finished run's last training checkpoint (RUN/ckpt: its MTP weights and optimizer, "
+                        "what tools/convert_to_hf.py --checkpoint and tools/speculative_generate.py read); default: "
+                        "removed once the run's record is written")
     s.add_argument("--num-boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
     s.add_argument("--verbose", action="store_true", help="the trainer's own lines")
     args = p.parse_args(argv)
-    if sum(x is not None for x in (args.model, args.hf_dir, args.megatron)) != 1:
+    if args.model is not None and args.hf_dir is not None:
+        p.error("give --model or --hf-dir, not both")
+    if args.model is None and args.hf_dir is None and args.megatron is None:
         p.error("give one of --model, --hf-dir, --megatron")
     if (args.prompts is None) == (args.train_data is None):
         p.error("give --prompts or --train-data (with --heldout-data)")
     if args.train_data is not None and args.heldout_data is None:
         p.error("--train-data needs --heldout-data")
-    if args.prompts is not None and args.megatron is not None:
+    if args.prompts is not None and args.model is None and args.hf_dir is None:
         p.error("--prompts needs --model or --hf-dir (the responses are generated with transformers)")
     for name in ("num_train", "num_heldout", "max_new_tokens", "gen_batch_size", "tokens", "seq_length",
                  "micro_batch_size", "global_batch_size", "curve_points", "curve_rows", "loss_chunk_tokens",
@@ -164,6 +172,7 @@ def main(argv=None) -> None:
                      warmup_fraction=args.warmup_fraction, curve_points=args.curve_points, curve_rows=args.curve_rows,
                      loss_chunk_tokens=args.loss_chunk_tokens, chunk_positions=args.eval_chunk_positions,
                      device=args.device, precision=args.precision, ranks=args.ranks, overrides=list(args.set),
+                     keep_checkpoints=args.keep_checkpoints,
                      verbose=args.verbose,
                      title=args.title or args.model or Path(args.hf_dir or args.megatron).name)
     check_plan(plan)
@@ -176,6 +185,8 @@ def main(argv=None) -> None:
         raise StudyError(f"{hf}: no config.json (not a Hugging Face model folder)")
     plan.meg = Path(args.megatron).resolve() if args.megatron else stage_import(hf, work,
                                                                                  mtp_num_steps=args.mtp_num_steps)
+    if args.megatron and hf is not None:
+        log(f"import: {plan.meg} (given; the responses come from {hf})")
     if not (plan.meg / "bebop_model.yaml").is_file():
         raise StudyError(f"{plan.meg}: no bebop_model.yaml (not an import of tools/convert_from_hf.py)")
     check_ranks(plan)  # before the responses: a model that --ranks cannot split is refused at once

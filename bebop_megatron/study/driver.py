@@ -62,6 +62,7 @@ class StudyPlan:
     device: str = "cpu"
     precision: str = "fp32"
     ranks: int = 1  # processes per run: tensor parallel (runs.launch_run when > 1)
+    keep_checkpoints: bool = False  # a finished run keeps RUN/ckpt (its last training checkpoint)
     overrides: list = field(default_factory=list)
     temperatures: tuple = TEMPERATURES
     gamma: int = GAMMA
@@ -166,7 +167,8 @@ def existing_head(plan: StudyPlan, seed: int, batch_statistics) -> Path:
                        curve_interval=0)
     run_one(plan.work / "heads" / f"ce_{tokens}_seed{seed}.run", cfg, batch_statistics,
             temperatures=plan.temperatures, gamma=plan.gamma, chunk_positions=plan.chunk_positions, save_head=head,
-            verbose=plan.verbose, meta={"condition": "head", "objective": "ce", "seed": seed}, ranks=plan.ranks)
+            verbose=plan.verbose, meta={"condition": "head", "objective": "ce", "seed": seed}, ranks=plan.ranks,
+            keep_checkpoint=plan.keep_checkpoints)
     mark_done(head)
     return head
 
@@ -202,7 +204,8 @@ def run_study(plan: StudyPlan, batch_statistics) -> dict:
         head = head_path(plan, seed) if fresh and objective == "ce" and shares_fresh_ce(plan) else None
         record = run_one(folder, cfg, batch_statistics, temperatures=plan.temperatures, gamma=plan.gamma,
                          chunk_positions=plan.chunk_positions, verbose=plan.verbose, save_head=head,
-                         meta={"condition": condition, "objective": objective, "seed": seed}, ranks=plan.ranks)
+                         meta={"condition": condition, "objective": objective, "seed": seed}, ranks=plan.ranks,
+            keep_checkpoint=plan.keep_checkpoints)
         if head is not None:
             mark_done(head)
         times.append(time.time() - t0)

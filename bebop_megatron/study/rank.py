@@ -43,7 +43,7 @@ def main(argv: list[str]) -> None:
                        temperatures=tuple(spec["temperatures"]), gamma=spec["gamma"],
                        chunk_positions=spec["chunk_positions"],
                        save_head=None if spec["save_head"] is None else Path(spec["save_head"]),
-                       verbose=spec["verbose"], meta=spec["meta"])
+                       verbose=spec["verbose"], meta=spec["meta"], keep_checkpoint=spec["keep_checkpoint"])
 
 
 if __name__ == "__main__":

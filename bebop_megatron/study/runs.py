@@ -209,18 +209,20 @@ def curve_of(metrics_file: Path, trainer, tokens_per_step: int, *, K: int) -> li
 
 
 def run_one(folder: Path, run: RunConfig, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
-            save_head: Path | None = None, verbose: bool = False, meta: dict | None = None, ranks: int = 1) -> dict:
+            save_head: Path | None = None, verbose: bool = False, meta: dict | None = None, ranks: int = 1,
+            keep_checkpoint: bool = False) -> dict:
     """Train one run, evaluate it, write its folder (``record.json`` last); returns its record.
     ``ranks`` > 1: in that many processes of its own (:func:`launch_run`), else in this one."""
     kwargs = dict(temperatures=temperatures, gamma=gamma, chunk_positions=chunk_positions, save_head=save_head,
-                  verbose=verbose, meta=meta)
+                  verbose=verbose, meta=meta, keep_checkpoint=keep_checkpoint)
     if ranks > 1:
         return launch_run(folder, run, batch_statistics, ranks=ranks, **kwargs)
     return train_and_evaluate(folder, run.load(), batch_statistics, **kwargs)
 
 
 def launch_run(folder: Path, run: RunConfig, batch_statistics, *, ranks: int, temperatures, gamma: int,
-               chunk_positions: int, save_head: Path | None, verbose: bool, meta: dict | None) -> dict:
+               chunk_positions: int, save_head: Path | None, verbose: bool, meta: dict | None,
+               keep_checkpoint: bool = False) -> dict:
     """The run in ``ranks`` processes (torchrun, ``--standalone``): its settings go to
     ``folder/launch.json``, each process runs :mod:`bebop_megatron.study.rank` on it (the same
     :func:`train_and_evaluate`, collective), rank 0's lines come to this process's stdout and the
@@ -233,6 +235,7 @@ def launch_run(folder: Path, run: RunConfig, batch_statistics, *, ranks: int, te
                                  batch_statistics.__name__],
             "temperatures": list(temperatures), "gamma": gamma, "chunk_positions": chunk_positions,
             "save_head": None if save_head is None else str(save_head), "verbose": verbose, "meta": meta,
+            "keep_checkpoint": keep_checkpoint,
             "log_file": None if log_file() is None else str(log_file())}
     write_json(folder / LAUNCH_FILE, spec)
     package_root = str(Path(__file__).resolve().parents[2])
@@ -253,7 +256,8 @@ def launch_run(folder: Path, run: RunConfig, batch_statistics, *, ranks: int, te
 
 
 def train_and_evaluate(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
-                       save_head: Path | None = None, verbose: bool = False, meta: dict | None = None) -> dict:
+                       save_head: Path | None = None, verbose: bool = False, meta: dict | None = None,
+                       keep_checkpoint: bool = False) -> dict:
     """The run itself, in this process, alone or as one rank of the run's processes: the trainer,
     the training, the held-out evaluation and the head are collective; rank 0 writes the files."""
     import torch
@@ -306,7 +310,7 @@ def train_and_evaluate(folder: Path, cfg, batch_statistics, *, temperatures, gam
         write_json(folder / "record.json", record)
     if dist.is_initialized():
         dist.barrier()  # every rank is past its last use of the checkpoints before they go
-    if writer:
+    if writer and not keep_checkpoint:
         shutil.rmtree(folder / "ckpt", ignore_errors=True)  # finished: its checkpoints are no longer needed
     del trainer
     free_cuda()
