@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -245,7 +246,13 @@ def launch_run(folder: Path, run: RunConfig, batch_statistics, *, ranks: int, te
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
            "-m", "bebop_megatron.study.rank", str(folder / LAUNCH_FILE)]
     with open(folder / RANKS_LOG, "w") as err:
-        code = subprocess.run(cmd, env=env, stdout=None, stderr=err).returncode
+        proc = subprocess.Popen(cmd, env=env, stdout=None, stderr=err)
+        code, stopped_by = _wait_forwarding_signals(proc)
+    if stopped_by is not None:  # the study was interrupted: its processes stopped as on preemption
+        log(f"{folder}: the run's {ranks} processes stopped (signal {stopped_by}); run the study again to continue")
+        if stopped_by == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + stopped_by)
     if code != 0 or not is_finished(folder):
         lines = (folder / RANKS_LOG).read_text(errors="replace").splitlines()
         said = [line for line in lines if line.startswith("error: ")]
@@ -253,6 +260,28 @@ def launch_run(folder: Path, run: RunConfig, batch_statistics, *, ranks: int, te
                          else f"ended with exit status {code}" + ("" if code else " without its record")
                          + f"; their output: {folder / RANKS_LOG}"))
     return read_record(folder)
+
+
+def _wait_forwarding_signals(proc: subprocess.Popen) -> tuple[int, int | None]:
+    """Wait for torchrun; a SIGINT or SIGTERM of this process goes to it as SIGTERM (its ranks
+    were started in sessions of their own, so a terminal's Ctrl-C does not reach them): they
+    checkpoint and stop as on preemption. ``(exit status, the signal received or None)``."""
+    import signal as signals
+
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signals.SIGTERM)
+
+    previous = {sig: signals.signal(sig, forward) for sig in (signals.SIGINT, signals.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signals.signal(sig, handler)
+    return code, (received[0] if received else None)
 
 
 def train_and_evaluate(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
