@@ -12,9 +12,10 @@
     python tools/objective_study.py --work WORK --report-only [same options]
 
 Stages, each resumable from --work (a complete stage is skipped; run the same command again after
-an interruption): the import (tools/convert_from_hf.py; none with --megatron); the responses (batched transformers
-generate at T=1, train and held-out prompts disjoint) and their indexed datasets; for the
-``existing`` condition the seed's ce head; then every (condition, seed, objective) run: the
+an interruption): the import (tools/convert_from_hf.py; none with --megatron); the responses
+(batched transformers generate at T=1, train and held-out prompts disjoint) and their indexed
+datasets; for the ``existing`` condition the seed's ce head; then every (condition, seed,
+objective) run, in this process or, with --ranks N, in N processes at tensor parallel N: the
 training with learning curves (the trainer's held-out pass: alpha, E[L] by Eq. 12 and the
 decode-exact E[L]), the held-out evaluation at T=1 and 0.7 (tools/eval_acceptance.py's
 statistics, per position, with the response of every position); last the report in --out:
@@ -56,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--num-heldout", type=int, default=150)
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--gen-batch-size", type=int, default=16)
+    d.add_argument("--gen-precision", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="dtype of response generation (default auto: bf16 on cuda, fp32 on the CPU)")
     d.add_argument("--gen-budget-s", type=float, default=None, help="stop generating after this long (default: no limit)")
     s = p.add_argument_group("the study")
     s.add_argument("--work", required=True, help="work folder: every stage resumes from it")
@@ -82,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--ranks", type=int, default=1,
                    help="processes per run, tensor parallel (default 1: in this process); N > 1: every run is N "
                         "processes of its own under torchrun (N must divide the model's key-value heads, FFN and "
-                        "padded vocabulary), e.g. 2 on 2 CPU cores for a model that does not train fast in one")
+                        "padded vocabulary), e.g. 2 on 2 CPU cores as benchmarks/real_model/run_objectives.py trains "
+                        "Qwen2.5-Coder-1.5B")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config override")
     s.add_argument("--seed", type=int, default=1234, help="seed of response generation (default 1234)")
     s.add_argument("--title", default="", help="the report's title (default: the model)")
@@ -194,7 +198,7 @@ def main(argv=None) -> None:
         data = work / "data"
         sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout)
         gen = stage_responses(hf, sets, data, device=args.device, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                              batch_size=args.gen_batch_size,
+                              batch_size=args.gen_batch_size, dtype=args.gen_precision,
                               deadline=None if args.gen_budget_s is None else time.time() + args.gen_budget_s)
         stage_tokenize(plan.meg, data)
         plan.train_files, plan.valid_files = [data / "train"], [data / "heldout"]

@@ -103,11 +103,11 @@ def check_ranks(plan: StudyPlan) -> None:
 
     if plan.ranks == 1:
         return
-
     run = train_config(plan, loss="ce", seed=0, steps=plan.steps, lr=plan.lr, data_seed=0, init_checkpoint=None,
                        curve_interval=1)
-    index = run.overrides.index(f"parallel.tensor={plan.ranks}")
-    RunConfig(run.file, run.overrides[:index] + ["parallel.tensor=1"] + run.overrides[index + 1:]).load()  # any other error as it is
+    at = run.overrides.index(f"parallel.tensor={plan.ranks}")
+    # any other config error (a data file, a --set) first, as it is: not one about --ranks
+    RunConfig(run.file, run.overrides[:at] + ["parallel.tensor=1"] + run.overrides[at + 1:]).load()
     try:
         parallel_sizes(run.load(), plan.ranks)
     except ValueError as err:
@@ -205,7 +205,7 @@ def run_study(plan: StudyPlan, batch_statistics) -> dict:
         record = run_one(folder, cfg, batch_statistics, temperatures=plan.temperatures, gamma=plan.gamma,
                          chunk_positions=plan.chunk_positions, verbose=plan.verbose, save_head=head,
                          meta={"condition": condition, "objective": objective, "seed": seed}, ranks=plan.ranks,
-            keep_checkpoint=plan.keep_checkpoints)
+                         keep_checkpoint=plan.keep_checkpoints)
         if head is not None:
             mark_done(head)
         times.append(time.time() - t0)

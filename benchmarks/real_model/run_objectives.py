@@ -15,8 +15,8 @@ complete and continues a partial step):
 3. the study: ``tools/objective_study.py --hf-dir CACHE/hf --megatron CACHE/megatron --prompts
    WORK/prompts --work WORK --keep-checkpoints`` with the scale's sizes (:data:`SCALES`): at the
    ``cpu`` scale every run is 2 processes at tensor parallel 2 (``--ranks 2``) in bf16 (fp32 on a
-   CPU whose bf16 products are slow, ``cpu_bf16_is_fast``). The study generates the model's own
-   answers at T=1, trains every objective per seed from the same start and data order, evaluates
+   CPU whose bf16 products are slow, ``cpu_bf16_is_fast``; the responses too, ``--gen-dtype``).
+   The study generates the model's own answers at T=1, trains every objective per seed from the same start and data order, evaluates
    the held-out responses at T=1 and 0.7 and writes WORK/report (RESULTS.md with intervals over
    responses, results.csv, curves, summary.json); each run's last checkpoint stays in
    WORK/runs/fresh/<objective>/seed<S>/ckpt (``speculative.py`` reads it);
@@ -31,8 +31,8 @@ random prompts in WORK and runs steps 3-4 at tiny sizes with the scale's ranks a
 Removed when the pipeline became a caller of the tool (commit a6f2378 has them): the init study
 (e2e_tv from each ``mtp.init`` for a few steps; its answer on this model, Megatron's random init,
 is ``mtp.init``'s default, ``auto``; ``--init`` gives every run another start), the tables with
-bootstrap intervals over positions (``write_results.py``; the study resamples responses), bf16
-response generation on the CPU (the study generates in fp32 there) and ``--publish``: the report
+bootstrap intervals over positions (``write_results.py``; the study resamples responses) and
+``--publish``: the report
 stays in WORK/report, and ``benchmarks/real_model/RESULTS.md`` is the old pipeline's result, kept
 as history.
 """
@@ -104,6 +104,7 @@ def study_argv(hf: Path, megatron: Path, prompts: Path, work: Path, scale: Scale
             "--warmup-fraction", 0.1, "--seq-length", scale.seq_length, "--micro-batch-size", scale.micro_batch_size,
             "--global-batch-size", scale.global_batch_size, "--curve-points", scale.curve_points,
             "--device", args.device, "--precision", scale.precision, "--ranks", scale.ranks, "--keep-checkpoints",
+            "--gen-precision", args.gen_dtype,
             "--title", "Qwen2.5-Coder-1.5B-Instruct" if not args.dry_run else "tiny random Llama (dry run)"]
     if args.init:
         argv += ["--set", f"mtp.init={args.init}"]
@@ -136,6 +137,8 @@ def main(argv=None) -> None:
     if args.device == "cpu" and scale.precision == "bf16" and not cpu_bf16_is_fast():
         log("bf16 matrix products are measured slow on this CPU: training in fp32 (bf16 GEMMs crawl here)")
         scale = replace(scale, precision="fp32")
+    if args.gen_dtype == "auto":
+        args.gen_dtype = "fp32" if args.device == "cpu" and not cpu_bf16_is_fast() else "bf16"
     cache = Path(args.cache) if args.cache else cache_root()
     work = Path(args.work).resolve() if args.work else cache / "runs" / ("dry-run" if args.dry_run else args.scale)
     work.mkdir(parents=True, exist_ok=True)
@@ -174,6 +177,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--scale", choices=sorted(SCALES), default="cpu", help="sizes of the study (default cpu)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--gen-dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="dtype of response generation (default auto: bf16, fp32 on a CPU without fast bf16)")
     p.add_argument("--objectives", default="ce,e2e_tv",
                    help="comma-separated loss.type values (default ce,e2e_tv; the tool's docs/study.md)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds of the runs (default 0)")
