@@ -76,10 +76,11 @@ def _messages_key(prompt) -> str:
 
 def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int, max_new_tokens: int,
                     batch_size: int, chunk_batches: int = 2, deadline: float | None = None,
-                    temperature: float = 1.0) -> dict:
+                    temperature: float = 1.0, dtype: str = "auto") -> dict:
     """The model's own answers at ``temperature`` to both prompt sets (batched transformers
     ``generate``), appended to ``data/<split>.jsonl``; a killed stage continues where it stopped.
-    Generation stops at ``deadline`` (between chunks) once a split has a response."""
+    Generation stops at ``deadline`` (between chunks) once a split has a response. ``dtype``:
+    ``fp32``, ``bf16`` or ``auto`` (bf16 on CUDA, fp32 on the CPU)."""
     from bebop_megatron.data.generate import ExistingOutput, load_existing, plan_jobs, run_generation
     from bebop_megatron.data.generate_hf import HFBackend
 
@@ -104,7 +105,7 @@ def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int,
             if backend is None:
                 backend = HFBackend(str(hf), max_new_tokens=max_new_tokens, temperature=temperature,
                                     batch_size=batch_size, device=device,
-                                    dtype="bf16" if device == "cuda" else "fp32")
+                                    dtype=dtype)
             # Shortest prompts together: less left padding. Sorting within a chunk selects
             # nothing (a chunk is generated whole, the budget is checked between chunks).
             part = sorted(jobs[lo:lo + chunk], key=lambda job: _prompt_length(backend, job))
