@@ -69,6 +69,12 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("case", ["causal_e2e_tv", "packed_ce", "packed_e2e_nla_pre_norm"])
 def test_context_parallel_matches_one_rank(runs, case):
     (ref, ref_grads), (got, grads) = runs[case]
+    assert_matches_one_rank(ref, ref_grads, got, grads)
+
+
+def assert_matches_one_rank(ref, ref_grads, got, grads):
+    """The losses, grad norms and statistics of every step and the MTP gradients of step 0 of a
+    parallel run equal the single-rank run's."""
     ref_h, got_h = ref["history"], got["history"]
     assert len(ref_h) == len(got_h) == STEPS
     for step, (r, g) in enumerate(zip(ref_h, got_h)):
@@ -132,20 +138,7 @@ def test_context_parallel_with_other_parallelisms_matches_one_rank(runs_4, layou
     (ref, ref_grads), (got, grads) = runs_4[ref_name], runs_4[layout]
     assert got["layout"] == sizes and got["world_size"] == 4
     assert f"TP={sizes['tensor']} CP=2 PP={sizes['pipeline']} EP={sizes['expert']}" in got["summary"]
-    ref_h, got_h = ref["history"], got["history"]
-    assert len(ref_h) == len(got_h) == STEPS
-    for step, (r, g) in enumerate(zip(ref_h, got_h)):
-        assert g["loss"] == pytest.approx(r["loss"], rel=1e-5), f"step {step}"
-        assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-4), f"step {step} grad_norm"
-        for key in ("alpha_rs", "alpha_to", "accept_len_rs", "top1", "ce"):
-            assert g[key] == pytest.approx(r[key], rel=1e-5, abs=1e-6), f"step {step} {key}"
-    assert ref_h[-1]["loss"] < ref_h[0]["loss"]
-    assert set(grads) == set(ref_grads) and ref_grads
-    for key, ref_g in ref_grads.items():
-        scale = ref_g.abs().max().item()
-        assert scale > 0, f"reference gradient of {key} is zero"
-        torch.testing.assert_close(grads[key], ref_g, rtol=1e-4, atol=1e-5 * scale, msg=key)
-    assert got["backbone_identical"] and got["optimizer_updates_exactly_trainable"]
+    assert_matches_one_rank(ref, ref_grads, got, grads)
 
 
 # ----------------------------------------------------------------------------- MLA, Gated DeltaNet, held-out pass
