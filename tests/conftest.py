@@ -38,6 +38,7 @@ SLOW_TESTS = {
     "test_data_indexed.py::test_train_on_all_and_mismatches", "test_generate_responses.py::test_cli_subprocess_",
     "test_losses_cold_start.py::test_nla_kinds_run_on_the_triton_kernel", "test_lk_triton.py::test_interpreted",
     "test_objective_study.py::test_study_dry_run", "test_objective_study.py::test_user_mistakes",
+    "test_objective_study.py::test_ranks_",
     "test_speculative.py::test_monte_carlo_acceptance_and_output_distribution",
     "test_data_rollouts.py::test_a_head_trains_from",
 }

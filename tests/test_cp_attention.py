@@ -2,7 +2,8 @@
 
 No process group: each CP rank's local queries run against the whole row's keys and values
 (what the all-gather gives it), and the ranks' outputs and gradients are put back together.
-Causal rows and packed rows whose documents span chunks and ranks; C = 2 and 3; float64 on CPU
+Causal rows and packed rows whose documents span chunks and ranks; C = 2 and 3; value heads of the
+query/key width and, as in MLA, narrower or wider; float64 on CPU
 (the CPU flash kernel), float32 on CUDA (the memory-efficient kernel; skipped without a GPU).
 """
 
@@ -31,10 +32,12 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("cp_size", [2, 3])
 @pytest.mark.parametrize("starts", [None, [0, 5, 14, 20]], ids=["causal", "packed"])
-def test_blocks_match_whole_row_attention(cp_size, starts, device):
+@pytest.mark.parametrize("v_width", [8, 5, 12], ids=["same-widths", "mla-narrow-v", "mla-wide-v"])
+def test_blocks_match_whole_row_attention(cp_size, starts, device, v_width):
     torch.manual_seed(0)
     dtype = torch.float64 if device == "cpu" else torch.float32
-    q, k, v = (torch.randn(2, 3, 24, 8, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 3, 24, width, dtype=dtype, device=device, requires_grad=True)
+               for width in (8, 8, v_width))
     ref = _reference(q, k, v, starts)
     grad = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad)

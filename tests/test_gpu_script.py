@@ -1,8 +1,9 @@
 """``benchmarks/gpu/run_all.sh --dry-run``: the GPU script's parts still run (CPU, tiny sizes).
 
 The real run needs one NVIDIA GPU; this keeps the script from rotting where there is none:
-every part runs (the loss benchmark with the torch kernel, the training-step benchmark, the
-collection of the GPU-marked tests, the generation benchmark on a tiny model), exits 0 and writes its CSV rows. The loss benchmark's
+every part runs (the context-parallel benchmark at C=2 on two CPU ranks, the loss benchmark with
+the torch kernel, the training-step benchmark, the collection of the GPU-marked tests, the
+generation benchmark on a tiny model), exits 0 and writes its CSV rows. The loss benchmark's
 result is checked against the float64 formula of ``benchmarks/benchmark_tv_loss.py``.
 """
 
@@ -25,7 +26,7 @@ def test_run_all_dry_run(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    for part in ("loss", "step", "tests", "generate"):
+    for part in ("cp", "loss", "step", "tests", "generate"):
         assert f"=== {part}: exit 0" in summary, summary
     assert "33/" in (tmp_path / "tests.log").read_text()  # the GPU-marked Triton tests were collected
     rows = list(csv.DictReader(open(tmp_path / "results_gpu.csv")))
@@ -46,4 +47,8 @@ def test_run_all_dry_run(tmp_path):
     assert metrics[("bench_generate", "hf_tokens_per_s")] > 0 < metrics[("bench_generate", "megatron_tokens_per_s")]
     assert metrics[("bench_generate", "megatron_tokens")] == metrics[("bench_generate", "hf_tokens")] > 0
     assert metrics[("bench_generate", "megatron_agree")] == 1.0
+    # context parallelism runs first (two ranks, tiny rows); its peak is the whole process's resident set
+    cp = {r["metric"]: float(r["value"]) for r in rows if r["benchmark"] == "bench_context_parallel"}
+    assert cp["step_ms"] > 0 and cp["peak_mb_per_rank"] > 100 and cp["loss0"] > 0, cp
+    assert [r["benchmark"] for r in rows][0] == "bench_context_parallel"
     assert all(r["machine"].endswith("; cpu)") for r in rows)

@@ -398,3 +398,99 @@ def test_mtp_ce_loss_excludes_padded_vocabulary(megatron_single_process):
     (loss_sum / count).backward()
     (ref_sum / ref_count).backward()
     torch.testing.assert_close(hidden.grad.double(), ref_hidden.grad, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# Context parallelism (parallel.context = C > 1): every loss.type on the CP ranks' shards
+# against the whole row, in one process. Each rank's share of the model's hidden states is its
+# two chunks (cp_attention.shard_sequence) of the backbone and of every MTP step; the layout's
+# all-gather of the chunks' first K backbone rows is served from the ranks' shards. The ranks'
+# loss sums, counts and statistics add up to those of the whole row (the trainer sums them over
+# the CP group), and their gradients, put back in row order, are the whole row's.
+
+
+class _FakeCPGroup:
+    """The CP group of ``C`` ranks as ``_ContextParallelLayout`` reads it; ``rank`` is the rank
+    whose loss runs now, ``heads[c]`` what rank c contributes to the all-gather."""
+
+    def __init__(self, C: int, heads: list[torch.Tensor]):
+        self.C, self.heads, self.rank, self.gathers = C, heads, 0, 0
+
+    def size(self):
+        return self.C
+
+    def get_rank(self, group):
+        assert group is self
+        return self.rank
+
+    def get_world_size(self, group):
+        assert group is self
+        return self.C
+
+    def all_gather(self, parts, tensor, group):
+        assert group is self and len(parts) == self.C
+        torch.testing.assert_close(tensor, self.heads[self.rank], rtol=0, atol=0)  # this rank's own part
+        for part, head in zip(parts, self.heads):
+            part.copy_(head)
+        self.gathers += 1
+
+
+def _packed_segments(B, S, seed):
+    """Documents of 3..11 positions (they span chunks and ranks), then padding (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    segment_ids = torch.full((B, S), -1)
+    for b in range(B):
+        t, doc = 0, 0
+        while t < S - 2:
+            n = int(torch.randint(3, 12, (1,), generator=g))
+            segment_ids[b, t: t + n] = doc
+            t, doc = t + n, doc + 1
+    return segment_ids
+
+
+@pytest.mark.parametrize("C, types", [(2, "all"), (3, ("e2e_tv", "ce"))], ids=["C2-every-type", "C3"])
+def test_mtp_loss_context_parallel_shards_match_whole_row(megatron_single_process, monkeypatch, C, types):
+    from megatron.core import parallel_state
+
+    import bebop_megatron.training.loss as loss_module
+    from bebop_megatron.config import LossConfig
+    from bebop_megatron.config.loader import LOSS_TYPES
+    from bebop_megatron.model.cp_attention import shard_sequence, unshard_sequence
+    from bebop_megatron.training.loss import mtp_loss
+
+    B, S, H, V, K = 2, 24, 8, 23, 3  # chunks of S / 2C = 6 or 4 >= K positions
+    hidden_64, weight_64, batch = _make_case(B, S, H, V, K, seed=13, mask=_random_mask(2, S, 13, p_hole=0.15))
+    batch.segment_ids = _packed_segments(B, S, seed=13)
+    hidden = hidden_64.float()
+    steps = hidden.chunk(1 + K, dim=0)  # backbone, then the K MTP steps: [S, B, H] each
+    local = [torch.cat([shard_sequence(x, r, C, dim=0) for x in steps]) for r in range(C)]
+    heads = [torch.stack([half[:K] for half in shard_sequence(steps[0], r, C, dim=0).chunk(2)]) for r in range(C)]
+    model = StandInModel(weight_64.float())
+    types = LOSS_TYPES if types == "all" else types
+    checked = 0
+    for loss_type in types:
+        cfg = LossConfig(type=loss_type, target_temperature=0.8, draft_temperature=1.2, chunk_tokens=13, lk_eta=2.0)
+        whole = hidden.clone().requires_grad_(True)
+        ref_sum, ref_count, ref_stats = mtp_loss(model, whole, batch, K, megatron_single_process, cfg, vocab_size=V)
+        ref_sum.backward()
+        group = _FakeCPGroup(C, heads)
+        with monkeypatch.context() as patch:
+            patch.setattr(parallel_state, "get_context_parallel_group", lambda check_initialized=True: group)
+            patch.setattr(loss_module, "dist", group)
+            got_sum, got_count, got_stats, grads = 0.0, 0, 0.0, []
+            for rank in range(C):
+                group.rank = rank
+                x = local[rank].clone().requires_grad_(True)
+                loss_sum, count, stats = mtp_loss(model, x, batch, K, megatron_single_process, cfg, vocab_size=V)
+                loss_sum.backward()
+                got_sum, got_count, got_stats = got_sum + loss_sum, got_count + int(count), got_stats + stats
+                grads.append(x.grad.chunk(1 + K, dim=0))
+        assert group.gathers == C, loss_type
+        assert ref_count > 0 and got_count == int(ref_count), loss_type
+        torch.testing.assert_close(got_sum, ref_sum, rtol=1e-5, atol=1e-6, msg=loss_type)
+        torch.testing.assert_close(got_stats, ref_stats, rtol=1e-5, atol=1e-5, msg=loss_type)
+        got_grad = torch.cat([unshard_sequence([g[i] for g in grads], dim=0) for i in range(1 + K)])
+        assert whole.grad.abs().max() > 0, loss_type
+        torch.testing.assert_close(got_grad, whole.grad, rtol=1e-4, atol=1e-6, msg=loss_type)
+        checked += 1
+    assert checked == len(types) and len(LOSS_TYPES) == 9

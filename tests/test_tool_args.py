@@ -118,3 +118,17 @@ def test_json_holds_null_not_nan(tmp_path):
 
     assert json.loads(path.read_text(), parse_constant=no_constants) == {
         "rate": None, "ci": [1.0, None], "nested": [{"x": None, "n": 3}], "s": "nan"}
+
+
+def test_eval_acceptance_context_parallel_flags(capsys):
+    """``--context-parallel`` > 1 shards each row's forward: no decoding of whole sequences
+    (``--sample``) and no timed forwards (measured costs); given costs or --no-speedup."""
+    base = ["--checkpoint", "c", "--data", "synthetic", "--context-parallel", "2"]
+    assert usage_error(capsys, "eval_acceptance", [*base, "--sample", "--no-speedup"]) == (
+        "--sample decodes whole sequences: use --context-parallel 1")
+    assert usage_error(capsys, "eval_acceptance", base) == (
+        "--context-parallel > 1 measures no costs (the timed forwards run whole sequences): give --cost-ratio or "
+        "--cost-target-ms/--cost-draft-ms, or pass --no-speedup")
+    assert usage_error(capsys, "eval_acceptance", [*base[:-1], "0"]) == "--context-parallel must be >= 1"
+    for costs in (["--no-speedup"], ["--cost-ratio", "0.1"], ["--cost-target-ms", "10", "--cost-draft-ms", "1"]):
+        assert load_tool("eval_acceptance").parse_args([*base, *costs]).context_parallel == 2

@@ -37,10 +37,13 @@ samples of the same language (``--synthetic-samples`` of them, after the trainin
 one ``iter_N`` directory; the run's config is read from it, and the backbone comes from its
 ``model.backbone_checkpoint`` / ``model.init_checkpoint`` (or, for a random backbone, the
 same seeded initialisation). The model is loaded at TP=``--tensor-parallel``, PP=1 (dist
-checkpointing reshards any saved layout); the other ranks of the world are data-parallel
-and share the rows. Positions follow the training loss: step k at t is valid when t+k is a
-trained token of t's document, and a chain stops at its first invalid step. Data without
-a valid position (e.g. every response truncated away) is refused, not reported as alpha 0.
+checkpointing reshards any saved layout) and CP=``--context-parallel`` (each row's forward
+split over C ranks as in training, ``parallel.context``; the hidden states are gathered back
+into whole rows, so each CP rank computes the statistics of the whole rows: no ``--sample``,
+no measured costs); the other ranks of the world are data-parallel and share the rows.
+Positions follow the training loss: step k at t is valid when t+k is a trained token of t's
+document, and a chain stops at its first invalid step. Data without a valid position (e.g.
+every response truncated away) is refused, not reported as alpha 0.
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="writes report.json and the PNGs here (an earlier report's files there are replaced, "
                              "its plots that this run does not write removed; other files are kept)")
     parser.add_argument("--tensor-parallel", type=int, default=1, help="TP size to load the model at (default 1)")
+    parser.add_argument("--context-parallel", type=int, default=1,
+                        help="CP size: each row's model forward split over this many ranks (parallel.context; "
+                             "default 1); the statistics then run on the whole rows")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: auto")
     parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward (default 4)")
     parser.add_argument("--max-rows", type=int, default=0, help="evaluate the first N packed rows (0: all)")
@@ -134,7 +140,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if any(not TEMPERATURES[0] <= t <= TEMPERATURES[1] for t in args.temperatures):  # NaN fails too
         parser.error(f"--temperatures must all be in [{TEMPERATURES[0]:g}, {TEMPERATURES[1]:g}], "
                      f"got {args.temperatures}")
-    for name in ("tensor_parallel", "micro_batch_size", "chunk_positions", "sim_trials"):
+    for name in ("tensor_parallel", "context_parallel", "micro_batch_size", "chunk_positions", "sim_trials"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("sim_positions", "scatter_points"):
@@ -154,6 +160,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--sample evaluates freshly sampled text: --data-temperature does not apply")
     if args.sample and args.tensor_parallel != 1:
         parser.error("--sample decodes at --tensor-parallel 1 (data-parallel ranks share the prompts)")
+    if args.context_parallel > 1 and args.sample:
+        parser.error("--sample decodes whole sequences: use --context-parallel 1")
+    if args.context_parallel > 1 and not (args.no_speedup or args.cost_ratio is not None
+                                          or args.cost_target_ms is not None):
+        parser.error("--context-parallel > 1 measures no costs (the timed forwards run whole sequences): give "
+                     "--cost-ratio or --cost-target-ms/--cost-draft-ms, or pass --no-speedup")
     return args
 
 
@@ -215,13 +227,16 @@ def eval_config(ckpt_path: str, args, world: int, device: str):
     if "config_yaml" not in common:
         raise EvalError(f"{ckpt_path}: the checkpoint holds no config_yaml (not written by the trainer?)")
     saved = OmegaConf.to_container(OmegaConf.create(common["config_yaml"]))
-    if world % args.tensor_parallel:
-        raise EvalError(f"--tensor-parallel {args.tensor_parallel} does not divide the world size {world}; launch "
-                         f"with torchrun --nproc_per_node {args.tensor_parallel} (or a multiple of it)")
-    dp = world // args.tensor_parallel
+    model_parallel = args.tensor_parallel * args.context_parallel
+    if world % model_parallel:
+        raise EvalError(f"--tensor-parallel {args.tensor_parallel} x --context-parallel {args.context_parallel} does "
+                         f"not divide the world size {world}; launch with torchrun --nproc_per_node {model_parallel} "
+                         "(or a multiple of it)")
+    dp = world // model_parallel
     overrides = [
         f"device={device}", f"parallel.tensor={args.tensor_parallel}", "parallel.pipeline=1",
-        "parallel.pipeline_layout=null", "parallel.context=1", "parallel.sequence_parallel=false",
+        "parallel.pipeline_layout=null", f"parallel.context={args.context_parallel}",
+        "parallel.sequence_parallel=false",
         "parallel.expert=1", "parallel.expert_tensor=null",
         f"train.micro_batch_size={args.micro_batch_size}", f"train.global_batch_size={args.micro_batch_size * dp}",
     ]
@@ -331,7 +346,7 @@ def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budge
     mask = attention_mask(batch.segment_ids)
     batch = batch.to(device)
     with torch.no_grad():
-        hidden = model(batch.tokens, batch.position_ids, None if mask is None else mask.to(device))
+        hidden = whole_row_hidden(model, batch, None if mask is None else mask.to(device), K)
     S, B = batch.tokens.shape[1], batch.tokens.shape[0]
     chunks = torch.chunk(hidden, 1 + K, dim=0)  # [S, B, H] each: backbone, then MTP steps 1..K
     weight_VH = output_weight_of(model).float()
@@ -380,6 +395,30 @@ def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budge
             p = torch.softmax(target_logits.double() / tau, -1).transpose(0, 1).contiguous()
             report.simulate(ti, p, q, args.sim_trials, generator)
     return len(sim_idx)
+
+
+def whole_row_hidden(model, batch, mask, K: int):
+    """The model's hidden states ``[(1 + K) * S, B, H]`` of whole rows. Under context parallelism
+    the forward runs this CP rank's chunks of the rows (as the trainer's) and the backbone's and
+    every MTP step's hidden states are all-gathered over the CP group and put back in row order,
+    so every CP rank computes the statistics of the whole rows."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from bebop_megatron.model.cp_attention import shard_sequence, unshard_sequence
+
+    C = parallel_state.get_context_parallel_world_size()
+    if C == 1:
+        return model(batch.tokens, batch.position_ids, mask)
+    rank, group = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_group()
+    local = model(*(shard_sequence(x, rank, C) for x in (batch.tokens, batch.position_ids)), mask)
+    steps = []
+    for part in torch.chunk(local, 1 + K, dim=0):  # [2L, B, H]: backbone, then MTP steps 1..K
+        parts = [torch.empty_like(part) for _ in range(C)]
+        dist.all_gather(parts, part.contiguous(), group=group)
+        steps.append(unshard_sequence(parts, dim=0))
+    return torch.cat(steps)
 
 
 def _gather_vocab(logits_KnV, tp_group):
@@ -483,7 +522,8 @@ def evaluate(args) -> dict | None:
         "num_positions": per_t[f"{ref:g}"]["count"][0],
         "num_steps": K,
         "gamma": gamma,
-        "layout": {"tensor": cfg.parallel.tensor, "data": dp_size, "device": device},
+        "layout": {"tensor": cfg.parallel.tensor, "context": cfg.parallel.context, "data": dp_size,
+                   "device": device},
         "temperatures": [float(t) for t in args.temperatures],
         "sampled": ({"mode": "--sample", "prompts": args.sample_prompts or "the held-out data's",
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed} if args.sample else None),

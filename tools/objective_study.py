@@ -12,9 +12,10 @@
     python tools/objective_study.py --work WORK --report-only [same options]
 
 Stages, each resumable from --work (a complete stage is skipped; run the same command again after
-an interruption): the import (tools/convert_from_hf.py); the responses (batched transformers
-generate at T=1, train and held-out prompts disjoint) and their indexed datasets; for the
-``existing`` condition the seed's ce head; then every (condition, seed, objective) run: the
+an interruption): the import (tools/convert_from_hf.py; none with --megatron); the responses
+(batched transformers generate at T=1, train and held-out prompts disjoint) and their indexed
+datasets; for the ``existing`` condition the seed's ce head; then every (condition, seed,
+objective) run, in this process or, with --ranks N, in N processes at tensor parallel N: the
 training with learning curves (the trainer's held-out pass: alpha, E[L] by Eq. 12 and the
 decode-exact E[L]), the held-out evaluation at T=1 and 0.7 (tools/eval_acceptance.py's
 statistics, per position, with the response of every position); last the report in --out:
@@ -37,11 +38,13 @@ OBJECTIVES = "ce,kl,e2e_tv,e2e_nla,e2e_lk"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = p.add_argument_group("the model (one of)")
+    m = p.add_argument_group("the model (--model or --hf-dir, --megatron, or --megatron with either)")
     m.add_argument("--model", help="a registry name of benchmarks/real_model/models.py (fetched and dequantized "
                                    "into $BEBOP_CACHE/NAME/hf when missing)")
     m.add_argument("--hf-dir", help="a Hugging Face model folder (any family tools/convert_from_hf.py handles)")
-    m.add_argument("--megatron", help="an import of tools/convert_from_hf.py (its MTP layers for --existing import)")
+    m.add_argument("--megatron", help="an import of tools/convert_from_hf.py (its MTP layers for --existing import); "
+                                      "with --model or --hf-dir: the import of that model, which then only answers "
+                                      "--prompts (no import stage)")
     m.add_argument("--mtp-num-steps", type=int, default=3, help="MTP steps of the import (default 3)")
     d = p.add_argument_group("the data (one of)")
     d.add_argument("--prompts", help="prompts: one JSONL file (the first --num-heldout held out) or a folder of "
@@ -54,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--num-heldout", type=int, default=150)
     d.add_argument("--max-new-tokens", type=int, default=256)
     d.add_argument("--gen-batch-size", type=int, default=16)
+    d.add_argument("--gen-precision", default="auto", choices=("auto", "fp32", "bf16"),
+                   help="dtype of response generation (default auto: bf16 on cuda, fp32 on the CPU)")
     d.add_argument("--gen-budget-s", type=float, default=None, help="stop generating after this long (default: no limit)")
     d.add_argument("--gen-engine", choices=("hf", "megatron"), default="hf",
                    help="hf: transformers' generate; megatron: the project's batched sampler over the imported model "
@@ -81,25 +86,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--eval-chunk-positions", type=int, default=4096)
     s.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     s.add_argument("--precision", default=None, help="default fp32 on cpu, bf16 on cuda")
-    s.add_argument("--ranks", type=int, default=1, help="processes per run (only 1 so far)")
+    s.add_argument("--ranks", type=int, default=1,
+                   help="processes per run, tensor parallel (default 1: in this process); N > 1: every run is N "
+                        "processes of its own under torchrun (N must divide the model's key-value heads, FFN and "
+                        "padded vocabulary), e.g. 2 on 2 CPU cores as benchmarks/real_model/run_objectives.py trains "
+                        "Qwen2.5-Coder-1.5B")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config override")
     s.add_argument("--seed", type=int, default=1234, help="seed of response generation (default 1234)")
     s.add_argument("--title", default="", help="the report's title (default: the model)")
     s.add_argument("--report-only", action="store_true", help="write the report of the finished runs and stop")
+    s.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each finished run's last training checkpoint (RUN/ckpt: its MTP weights and optimizer, "
+                        "what tools/convert_to_hf.py --checkpoint and tools/speculative_generate.py read); default: "
+                        "removed once the run's record is written")
     s.add_argument("--num-boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
     s.add_argument("--verbose", action="store_true", help="the trainer's own lines")
     args = p.parse_args(argv)
-    if sum(x is not None for x in (args.model, args.hf_dir, args.megatron)) != 1:
+    if args.model is not None and args.hf_dir is not None:
+        p.error("give --model or --hf-dir, not both")
+    if args.model is None and args.hf_dir is None and args.megatron is None:
         p.error("give one of --model, --hf-dir, --megatron")
     if (args.prompts is None) == (args.train_data is None):
         p.error("give --prompts or --train-data (with --heldout-data)")
     if args.train_data is not None and args.heldout_data is None:
         p.error("--train-data needs --heldout-data")
-    if args.prompts is not None and args.megatron is not None:
+    if args.prompts is not None and args.model is None and args.hf_dir is None:
         p.error("--prompts needs --model or --hf-dir (the responses are generated with transformers)")
     for name in ("num_train", "num_heldout", "max_new_tokens", "gen_batch_size", "tokens", "seq_length",
                  "micro_batch_size", "global_batch_size", "curve_points", "curve_rows", "loss_chunk_tokens",
-                 "eval_chunk_positions", "num_boot", "mtp_num_steps"):
+                 "eval_chunk_positions", "num_boot", "mtp_num_steps", "ranks"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("lr", "ft_lr"):
@@ -107,8 +122,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if args.gen_budget_s is not None and not args.gen_budget_s > 0:
         p.error(f"--gen-budget-s must be positive, got {args.gen_budget_s}")
-    if args.ranks != 1:
-        p.error("--ranks: only 1 process per run so far (use --device cuda for a GPU)")
     if args.cuda_graphs and (args.gen_engine != "megatron" or args.device != "cuda"):
         p.error("--cuda-graphs needs --gen-engine megatron and --device cuda")
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
@@ -147,7 +160,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     import time
 
-    from bebop_megatron.study.driver import StudyPlan, check_plan, run_study
+    from bebop_megatron.study.driver import StudyPlan, check_plan, check_ranks, run_study
     from bebop_megatron.study.log import StudyError, log, set_log_file
     from bebop_megatron.study.report import write_report
     from bebop_megatron.study.stages import prompt_sets, stage_import, stage_responses, stage_tokenize
@@ -168,7 +181,9 @@ def main(argv=None) -> None:
                      micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                      warmup_fraction=args.warmup_fraction, curve_points=args.curve_points, curve_rows=args.curve_rows,
                      loss_chunk_tokens=args.loss_chunk_tokens, chunk_positions=args.eval_chunk_positions,
-                     device=args.device, precision=args.precision, overrides=list(args.set), verbose=args.verbose,
+                     device=args.device, precision=args.precision, ranks=args.ranks, overrides=list(args.set),
+                     keep_checkpoints=args.keep_checkpoints,
+                     verbose=args.verbose,
                      title=args.title or args.model or Path(args.hf_dir or args.megatron).name)
     check_plan(plan)
     if args.report_only:
@@ -180,13 +195,17 @@ def main(argv=None) -> None:
         raise StudyError(f"{hf}: no config.json (not a Hugging Face model folder)")
     plan.meg = Path(args.megatron).resolve() if args.megatron else stage_import(hf, work,
                                                                                  mtp_num_steps=args.mtp_num_steps)
+    if args.megatron and hf is not None:
+        log(f"import: {plan.meg} (given; the responses come from {hf})")
     if not (plan.meg / "bebop_model.yaml").is_file():
         raise StudyError(f"{plan.meg}: no bebop_model.yaml (not an import of tools/convert_from_hf.py)")
+    check_ranks(plan)  # before the responses: a model that --ranks cannot split is refused at once
     if args.prompts:
         data = work / "data"
         sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout)
         gen = stage_responses(hf, sets, data, device=args.device, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                              batch_size=args.gen_batch_size, engine=args.gen_engine, cuda_graphs=args.cuda_graphs,
+                              batch_size=args.gen_batch_size, dtype=args.gen_precision, engine=args.gen_engine,
+                              cuda_graphs=args.cuda_graphs,
                               deadline=None if args.gen_budget_s is None else time.time() + args.gen_budget_s)
         stage_tokenize(plan.meg, data)
         plan.train_files, plan.valid_files = [data / "train"], [data / "heldout"]

@@ -35,6 +35,9 @@ def validate_hybrid(cfg) -> None:
                           f"model.linear_num_key_heads={m.linear_num_key_heads}")
     if m.linear_num_key_heads % p.tensor:
         raise ConfigError(f"parallel.tensor={p.tensor} must divide model.linear_num_key_heads={m.linear_num_key_heads}")
+    if m.linear_num_key_heads % (p.tensor * p.context):  # Megatron-Core's TransformerConfig asserts it
+        raise ConfigError(f"parallel.tensor={p.tensor} x parallel.context={p.context} must divide "
+                          f"model.linear_num_key_heads={m.linear_num_key_heads} (Megatron-Core's Gated DeltaNet check)")
     if m.transformer_impl == "transformer_engine":
         raise ConfigError("model.layer_types with linear_attention runs Megatron-Core's local modules only: "
                           "set model.transformer_impl=local (or auto)")

@@ -21,6 +21,7 @@ and size the output from the value heads, so MLA runs with the local modules (CP
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -44,6 +45,18 @@ class _UnfusedForward:
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = dense_attention_mask(attention_mask)
         return super().forward(query, key, value, attention_mask, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _local_cp_attention(config):
+    """``DotProductAttention`` asserts context_parallel_size == 1 (only TE's attention has CP);
+    the SDPA modules compute CP attention themselves, so they are built as for C = 1."""
+    cp = config.context_parallel_size
+    config.context_parallel_size = 1
+    try:
+        yield
+    finally:
+        config.context_parallel_size = cp
 
 
 class _SDPAForward:
@@ -123,14 +136,8 @@ class SDPAttention(_SDPAForward, DotProductAttention):
 
     def __init__(self, config, layer_number: int, *args, **kwargs):
         self._check_sdpa(config, layer_number)
-        # DotProductAttention asserts context_parallel_size == 1 (only TE's attention has CP);
-        # this module computes CP attention itself.
-        cp = config.context_parallel_size
-        config.context_parallel_size = 1
-        try:
+        with _local_cp_attention(config):
             super().__init__(config, layer_number, *args, **kwargs)
-        finally:
-            config.context_parallel_size = cp
 
 
 class _MLAWidths(DotProductAttention):
@@ -169,11 +176,13 @@ class MLADotProductAttention(_UnfusedForward, _MLAWidths):
 
 
 class MLASDPAttention(_SDPAForward, _MLAWidths):
-    """The SDPA MLA core attention (``model.attention_backend=sdpa``)."""
+    """The SDPA MLA core attention (``model.attention_backend=sdpa``), with context parallelism
+    as :class:`SDPAttention`."""
 
     def __init__(self, config, layer_number: int, *args, **kwargs):
         self._check_sdpa(config, layer_number)
-        super().__init__(config, layer_number, *args, **kwargs)
+        with _local_cp_attention(config):
+            super().__init__(config, layer_number, *args, **kwargs)
 
 
 def core_attention(backend: str, mla: bool = False) -> type:

@@ -22,6 +22,9 @@ load-balanced order, ``get_batch_on_this_cp_rank``): its local sequence is their
 Kernels: ``_scaled_dot_product_flash_attention_for_cpu`` on CPU and
 ``_scaled_dot_product_efficient_attention`` on CUDA, torch's fused SDPA kernels that also
 return the log-sum-exp. GQA: K/V heads are repeated to the query heads after the gather.
+MLA (value heads of another width than the query/key heads): the CPU kernel takes one width
+only, so q, k and v are zero-padded to the wider one there (no score changes; the padded output
+and gradient columns are dropped); CUDA's memory-efficient kernel takes the two widths as they are.
 """
 
 from __future__ import annotations
@@ -86,11 +89,20 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _pad_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def _kernel_forward(q, k, v, causal: bool, scale: float):
     """(out ``[b, h, lq, dv]``, lse ``[b, h, lq]`` in :func:`_lse_dtype`)."""
     if q.device.type == "cpu":
+        # The CPU flash kernel needs one head width for q, k and v; MLA's value heads are narrower
+        # (or wider) than its query/key heads. Zero columns change no score (the scale is given)
+        # and add zero output columns, which are dropped.
+        dv, width = v.shape[-1], max(q.shape[-1], v.shape[-1])
+        q, k, v = (_pad_width(x, width) for x in (q, k, v))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse
+        return out[..., :dv], lse
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
                                                                             scale=scale)
     return out, lse[..., : q.shape[-2]]
@@ -98,8 +110,11 @@ def _kernel_forward(q, k, v, causal: bool, scale: float):
 
 def _kernel_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float):
     if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+        dk, dv, width = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
+        padded = (_pad_width(x, width) for x in (grad_out, q, k, v, out))
+        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            *padded, lse, 0.0, causal, scale=scale)
+        return gq[..., :dk], gk[..., :dk], gv[..., :dv]
     # No dropout: the philox seed and offset are not read. The kernel's log-sum-exp rows are padded
     # to a multiple of 32 (as its forward returns them).
     seed = torch.zeros((), dtype=torch.int64)

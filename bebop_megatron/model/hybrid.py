@@ -15,6 +15,7 @@ input norm into ``in_proj`` / ``linear_qkv`` and a dense pre-MLP norm into ``lin
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -24,6 +25,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from bebop_megatron.data.batches import document_starts
+from bebop_megatron.model.cp_attention import gather_sequence, shard_sequence
 from bebop_megatron.model.norms import HeadNorm, SPAwareNorm
 from bebop_megatron.model.specs import LocalSPSpecProvider, local_layer_spec
 
@@ -39,9 +41,35 @@ class PackedGatedDeltaNet(GatedDeltaNet):
     each document of each row runs alone, exactly as it would in a row of its own; without a mask
     (no row holds two documents) the whole batch runs at once. The documents' starts are read once
     per mask (one host sync per micro-batch, shared by all layers). Needs the whole sequence on each
-    rank, so not with sequence parallelism (the config refuses that combination)."""
+    rank, so not with sequence parallelism (the config refuses that combination).
+
+    Context parallelism (``parallel.context = C > 1``): the recurrent state and the short
+    convolution run along the whole row, so the layer's input chunks are all-gathered over the CP
+    group (``cp_attention.gather_sequence``: its backward sums the ranks' gradients and keeps this
+    rank's chunks), every CP rank runs the layer on the whole rows (per document, as above) and
+    keeps its own chunks of the output. Exact; it costs each CP rank the layer's compute and
+    activations of the whole rows (linear in S). Megatron's own head-parallel CP path is not used
+    (the module is built as for C = 1: a one-rank stand-in CP group), as its torch path has no
+    per-document restart."""
+
+    def __init__(self, config, submodules, layer_number=None, *args, pg_collection=None, **kwargs):
+        cp_group = None
+        if pg_collection is not None and pg_collection.cp.size() > 1:
+            cp_group, pg_collection = pg_collection.cp, copy.copy(pg_collection)
+            pg_collection.cp = _OneRankGroup()
+        super().__init__(config, submodules, layer_number, *args, pg_collection=pg_collection, **kwargs)
+        self.cp_group = cp_group
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        if self.cp_group is None:
+            return self._forward_rows(hidden_states, attention_mask, *args, **kwargs)
+        group = self.cp_group
+        whole = gather_sequence(hidden_states.transpose(0, 1), group).transpose(0, 1)  # [S, b, h]
+        out, bias = self._forward_rows(whole, attention_mask, *args, **kwargs)
+        rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        return shard_sequence(out, rank, size, dim=0), bias
+
+    def _forward_rows(self, hidden_states, attention_mask, *args, **kwargs):
         if attention_mask is None:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         outputs = []
@@ -50,6 +78,17 @@ class PackedGatedDeltaNet(GatedDeltaNet):
             outputs.append(torch.cat([super(PackedGatedDeltaNet, self).forward(
                 hidden_states[s:e, b:b + 1], None, *args, **kwargs)[0] for s, e in zip(starts, ends)]))
         return torch.cat(outputs, dim=1), None
+
+
+class _OneRankGroup:
+    """The CP group ``GatedDeltaNet`` is built with under context parallelism: one rank, so its
+    CP all-to-alls and per-rank parameter slices are identities (PackedGatedDeltaNet gathers whole rows)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
 
 
 def gated_delta_net_spec() -> ModuleSpec:

@@ -15,7 +15,9 @@ Conditions:
 
 Every run's folder is ``WORK/runs/<condition>/<objective>/seed<S>/``; a finished one is skipped,
 so a killed study re-run with the same command continues with the first unfinished run, from
-that run's last checkpoint (:func:`bebop_megatron.study.runs.train_config`).
+that run's last checkpoint (:func:`bebop_megatron.study.runs.train_config`). With ``ranks`` > 1
+every run is that many processes (tensor parallel), started per run; they hand the run's files
+back in its folder (:func:`bebop_megatron.study.runs.launch_run`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bebop_megatron.study.log import StudyError, log
-from bebop_megatron.study.runs import is_finished, read_record, run_one, train_config
+from bebop_megatron.study.runs import RunConfig, is_finished, read_record, run_one, train_config
 from bebop_megatron.study.stages import is_done, mark_done
 
 CONDITIONS = ("fresh", "existing")
@@ -59,6 +61,8 @@ class StudyPlan:
     chunk_positions: int = 4096
     device: str = "cpu"
     precision: str = "fp32"
+    ranks: int = 1  # processes per run: tensor parallel (runs.launch_run when > 1)
+    keep_checkpoints: bool = False  # a finished run keeps RUN/ckpt (its last training checkpoint)
     overrides: list = field(default_factory=list)
     temperatures: tuple = TEMPERATURES
     gamma: int = GAMMA
@@ -87,6 +91,27 @@ def check_plan(plan: StudyPlan) -> None:
         raise StudyError(f"--seeds must be distinct integers, got {plan.seeds}")
     if plan.tokens < 1:
         raise StudyError(f"--tokens must be at least 1, got {plan.tokens}")
+    if plan.ranks < 1:
+        raise StudyError(f"--ranks must be at least 1, got {plan.ranks}")
+
+
+def check_ranks(plan: StudyPlan) -> None:
+    """Before any run (once ``plan.meg`` is the import): the model splits into ``plan.ranks``
+    tensor-parallel shards (heads, key-value groups, FFN, padded vocabulary: the trainer's
+    config checks) at the study's batch sizes; else one line naming what does not divide."""
+    from bebop_megatron.config import parallel_sizes
+
+    if plan.ranks == 1:
+        return
+    run = train_config(plan, loss="ce", seed=0, steps=plan.steps, lr=plan.lr, data_seed=0, init_checkpoint=None,
+                       curve_interval=1)
+    at = run.overrides.index(f"parallel.tensor={plan.ranks}")
+    # any other config error (a data file, a --set) first, as it is: not one about --ranks
+    RunConfig(run.file, run.overrides[:at] + ["parallel.tensor=1"] + run.overrides[at + 1:]).load()
+    try:
+        parallel_sizes(run.load(), plan.ranks)
+    except ValueError as err:
+        raise StudyError(f"--ranks {plan.ranks} (tensor parallel {plan.ranks}): {err}") from None
 
 
 def parse_existing(spec: str):
@@ -142,7 +167,8 @@ def existing_head(plan: StudyPlan, seed: int, batch_statistics) -> Path:
                        curve_interval=0)
     run_one(plan.work / "heads" / f"ce_{tokens}_seed{seed}.run", cfg, batch_statistics,
             temperatures=plan.temperatures, gamma=plan.gamma, chunk_positions=plan.chunk_positions, save_head=head,
-            verbose=plan.verbose, meta={"condition": "head", "objective": "ce", "seed": seed})
+            verbose=plan.verbose, meta={"condition": "head", "objective": "ce", "seed": seed}, ranks=plan.ranks,
+            keep_checkpoint=plan.keep_checkpoints)
     mark_done(head)
     return head
 
@@ -150,6 +176,7 @@ def existing_head(plan: StudyPlan, seed: int, batch_statistics) -> Path:
 def run_study(plan: StudyPlan, batch_statistics) -> dict:
     """Every planned run not yet finished, with progress and ETA; returns ``{(c, seed, objective): record}``."""
     check_plan(plan)
+    check_ranks(plan)
     runs = planned_runs(plan)
     pending = [r for r in runs if not is_finished(run_folder(plan, r[0], r[2], r[1]))]
     for condition, seed, objective in runs:  # finished runs of another study in the same --work
@@ -177,7 +204,8 @@ def run_study(plan: StudyPlan, batch_statistics) -> dict:
         head = head_path(plan, seed) if fresh and objective == "ce" and shares_fresh_ce(plan) else None
         record = run_one(folder, cfg, batch_statistics, temperatures=plan.temperatures, gamma=plan.gamma,
                          chunk_positions=plan.chunk_positions, verbose=plan.verbose, save_head=head,
-                         meta={"condition": condition, "objective": objective, "seed": seed})
+                         meta={"condition": condition, "objective": objective, "seed": seed}, ranks=plan.ranks,
+                         keep_checkpoint=plan.keep_checkpoints)
         if head is not None:
             mark_done(head)
         times.append(time.time() - t0)

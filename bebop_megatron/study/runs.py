@@ -8,6 +8,12 @@ the text of every position and the decode-exact sums per text) into its folder; 
 
 The held-out statistics are those of ``tools/eval_acceptance.py`` (its ``micro_batch_statistics``,
 passed in as ``batch_statistics``: the package does not import the tools).
+
+With ``ranks`` > 1 (``--ranks N``: tensor parallel N) a run is ``N`` processes of its own, started
+with torchrun (:func:`launch_run`, :mod:`bebop_megatron.study.rank`): the training and the
+held-out evaluation are collective, rank 0 writes the run's files as one process would, and the
+study's process reads them back. The folder is the only channel, so a run killed in either
+layout resumes the same way.
 """
 
 from __future__ import annotations
@@ -16,30 +22,49 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 
-from bebop_megatron.study.log import StudyError, log
+from bebop_megatron.study.log import StudyError, log, log_file
 from bebop_megatron.study.stages import free_cuda
 
 ROWS_KEYS = ("chain", "alpha_rs", "alpha_to", "entropy_target")
+LAUNCH_FILE = "launch.json"  # a run's settings for its processes (ranks > 1)
+RANKS_LOG = "ranks.log"  # their stderr (and torchrun's)
+
+
+@dataclass
+class RunConfig:
+    """A run's trainer config as the file and the overrides that make it (what its processes
+    load again under ``--ranks N``)."""
+    file: str
+    overrides: list
+
+    def load(self):
+        from bebop_megatron.config import load_config
+
+        return load_config(self.file, list(self.overrides))
 
 
 def train_config(plan, *, loss: str, seed: int, steps: int, lr: float, data_seed: int,
-                 init_checkpoint: Path | None, curve_interval: int, folder: Path | None = None):
+                 init_checkpoint: Path | None, curve_interval: int, folder: Path | None = None) -> RunConfig:
     """The trainer's config of one run. ``plan``: the study's settings (``meg``, the data files,
-    sizes, device and precision, ``overrides``: the user's extra ``KEY=VALUE``). With ``folder``
+    sizes, device and precision, ``ranks``: tensor parallel, ``overrides``: the user's extra
+    ``KEY=VALUE``). With ``folder``
     the run checkpoints its head at every curve point into ``folder/ckpt`` (MTP weights and
     optimizer: the backbone stays frozen in the import) and continues from there when it was
     killed (``train.resume=auto``), and its held-out passes go to ``folder/metrics.jsonl``."""
-    from bebop_megatron.config import load_config
-
     overrides = [
         f"device={plan.device}", f"precision={plan.precision}", "model.transformer_impl=local",
+        f"parallel.tensor={getattr(plan, 'ranks', 1)}",
         f"loss.type={loss}", f"loss.chunk_tokens={plan.loss_chunk_tokens}",
         f"data.train_files=[{','.join(str(f) for f in plan.train_files)}]",
         f"data.valid_files=[{','.join(str(f) for f in plan.valid_files)}]",
@@ -59,7 +84,7 @@ def train_config(plan, *, loss: str, seed: int, steps: int, lr: float, data_seed
         overrides += ["model.backbone_checkpoint=null", f"model.init_checkpoint={init_checkpoint}"]
     else:
         overrides += [f"model.backbone_checkpoint={plan.meg}"]
-    return load_config(str(plan.meg / "bebop_model.yaml"), [*overrides, *plan.overrides])
+    return RunConfig(str(plan.meg / "bebop_model.yaml"), [*overrides, *plan.overrides])
 
 
 def held_out_rows(trainer, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
@@ -184,10 +209,88 @@ def curve_of(metrics_file: Path, trainer, tokens_per_step: int, *, K: int) -> li
     return [by_step[s] for s in sorted(by_step)]
 
 
-def run_one(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
-            save_head: Path | None = None, verbose: bool = False, meta: dict | None = None) -> dict:
-    """Train one run, evaluate it, write its folder (``record.json`` last); returns its record."""
+def run_one(folder: Path, run: RunConfig, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
+            save_head: Path | None = None, verbose: bool = False, meta: dict | None = None, ranks: int = 1,
+            keep_checkpoint: bool = False) -> dict:
+    """Train one run, evaluate it, write its folder (``record.json`` last); returns its record.
+    ``ranks`` > 1: in that many processes of its own (:func:`launch_run`), else in this one."""
+    kwargs = dict(temperatures=temperatures, gamma=gamma, chunk_positions=chunk_positions, save_head=save_head,
+                  verbose=verbose, meta=meta, keep_checkpoint=keep_checkpoint)
+    if ranks > 1:
+        return launch_run(folder, run, batch_statistics, ranks=ranks, **kwargs)
+    return train_and_evaluate(folder, run.load(), batch_statistics, **kwargs)
+
+
+def launch_run(folder: Path, run: RunConfig, batch_statistics, *, ranks: int, temperatures, gamma: int,
+               chunk_positions: int, save_head: Path | None, verbose: bool, meta: dict | None,
+               keep_checkpoint: bool = False) -> dict:
+    """The run in ``ranks`` processes (torchrun, ``--standalone``): its settings go to
+    ``folder/launch.json``, each process runs :mod:`bebop_megatron.study.rank` on it (the same
+    :func:`train_and_evaluate`, collective), rank 0's lines come to this process's stdout and the
+    study's log, every process's stderr to ``folder/ranks.log``; the record is read back from the
+    folder. A failure is one line: the processes' ``error:`` line, or their exit status and the
+    log to read."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = {"folder": str(folder), "config_file": run.file, "overrides": list(run.overrides),
+            "batch_statistics": [os.path.abspath(sys.modules[batch_statistics.__module__].__file__),
+                                 batch_statistics.__name__],
+            "temperatures": list(temperatures), "gamma": gamma, "chunk_positions": chunk_positions,
+            "save_head": None if save_head is None else str(save_head), "verbose": verbose, "meta": meta,
+            "keep_checkpoint": keep_checkpoint,
+            "log_file": None if log_file() is None else str(log_file())}
+    write_json(folder / LAUNCH_FILE, spec)
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+    # torchrun would set 1 thread per process (with a warning): share the cores out instead
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+           "-m", "bebop_megatron.study.rank", str(folder / LAUNCH_FILE)]
+    with open(folder / RANKS_LOG, "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=None, stderr=err)
+        code, stopped_by = _wait_forwarding_signals(proc)
+    if stopped_by is not None:  # the study was interrupted: its processes stopped as on preemption
+        log(f"{folder}: the run's {ranks} processes stopped (signal {stopped_by}); run the study again to continue")
+        if stopped_by == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + stopped_by)
+    if code != 0 or not is_finished(folder):
+        lines = (folder / RANKS_LOG).read_text(errors="replace").splitlines()
+        said = [line for line in lines if line.startswith("error: ")]
+        raise StudyError(f"{folder}: the run's {ranks} processes " + (f"stopped: {said[0][len('error: '):]}" if said
+                         else f"ended with exit status {code}" + ("" if code else " without its record")
+                         + f"; their output: {folder / RANKS_LOG}"))
+    return read_record(folder)
+
+
+def _wait_forwarding_signals(proc: subprocess.Popen) -> tuple[int, int | None]:
+    """Wait for torchrun; a SIGINT or SIGTERM of this process goes to it as SIGTERM (its ranks
+    were started in sessions of their own, so a terminal's Ctrl-C does not reach them): they
+    checkpoint and stop as on preemption. ``(exit status, the signal received or None)``."""
+    import signal as signals
+
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signals.SIGTERM)
+
+    previous = {sig: signals.signal(sig, forward) for sig in (signals.SIGINT, signals.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signals.signal(sig, handler)
+    return code, (received[0] if received else None)
+
+
+def train_and_evaluate(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
+                       save_head: Path | None = None, verbose: bool = False, meta: dict | None = None,
+                       keep_checkpoint: bool = False) -> dict:
+    """The run itself, in this process, alone or as one rank of the run's processes: the trainer,
+    the training, the held-out evaluation and the head are collective; rank 0 writes the files."""
     import torch
+    import torch.distributed as dist
 
     from bebop_megatron.training import Trainer
     from bebop_megatron.training.model_weights import save_model_checkpoint
@@ -197,9 +300,11 @@ def run_one(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, ch
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     trainer = Trainer(cfg, log=(lambda *a, **k: print(*a, **k)) if verbose else (lambda *a, **k: None))
+    writer = not dist.is_initialized() or dist.get_rank() == 0
     build_s = time.time() - t0
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_length
     start_file = folder / "start.json"
+    # Every rank reads start.json before the first collective below: rank 0 cannot have written it yet.
     if start_file.is_file():  # a killed run continues: its head's first point was measured before
         start = json.loads(start_file.read_text())
         has_ckpt = (folder / "ckpt" / "latest").exists() or any((folder / "ckpt").glob("iter_*"))
@@ -207,7 +312,8 @@ def run_one(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, ch
                                                       "from its start (it had no checkpoint yet)"))
     else:
         start = curve_point(trainer.evaluate_valid(), 0)  # the curve's first point: the head as it starts
-        write_json(start_file, start)
+        if writer:
+            write_json(start_file, start)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t1 = time.time()
@@ -219,20 +325,25 @@ def run_one(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, ch
     eval_s = time.time() - t2
     if save_head is not None:
         save_model_checkpoint(str(save_head), trainer.model)
-    timed = [m.tokens_per_s for m in history[1:]] or [m.tokens_per_s for m in history] or [float("nan")]
-    record = {
-        **(meta or {}), "loss": cfg.loss.type, "steps": cfg.train.steps, "lr": cfg.train.lr,
-        "tokens": cfg.train.steps * tokens_per_step, "tokens_per_s": statistics.median(timed),
-        "build_s": build_s, "train_s": train_s, "eval_s": eval_s, "final_train_loss": history[-1].loss if history else None,
-        "curve": [start] + curve_of(folder / "metrics.jsonl", trainer, tokens_per_step, K=cfg.mtp.num_steps),
-        "metrics": {tau: point_metrics(r, gamma) for tau, r in rows.items()},
-    }
-    save_rows(folder / "rows.npz", rows)
-    write_json(folder / "record.json", record)
-    shutil.rmtree(folder / "ckpt", ignore_errors=True)  # finished: its checkpoints are no longer needed
+    if writer:
+        timed = [m.tokens_per_s for m in history[1:]] or [m.tokens_per_s for m in history] or [float("nan")]
+        record = {
+            **(meta or {}), "loss": cfg.loss.type, "steps": cfg.train.steps, "lr": cfg.train.lr,
+            "tokens": cfg.train.steps * tokens_per_step, "tokens_per_s": statistics.median(timed),
+            "build_s": build_s, "train_s": train_s, "eval_s": eval_s,
+            "final_train_loss": history[-1].loss if history else None, "ranks": cfg.parallel.tensor,
+            "curve": [start] + curve_of(folder / "metrics.jsonl", trainer, tokens_per_step, K=cfg.mtp.num_steps),
+            "metrics": {tau: point_metrics(r, gamma) for tau, r in rows.items()},
+        }
+        save_rows(folder / "rows.npz", rows)
+        write_json(folder / "record.json", record)
+    if dist.is_initialized():
+        dist.barrier()  # every rank is past its last use of the checkpoints before they go
+    if writer and not keep_checkpoint:
+        shutil.rmtree(folder / "ckpt", ignore_errors=True)  # finished: its checkpoints are no longer needed
     del trainer
     free_cuda()
-    return record
+    return read_record(folder)
 
 
 def is_finished(folder: Path) -> bool:

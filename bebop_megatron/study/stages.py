@@ -79,13 +79,15 @@ def _messages_key(prompt) -> str:
 
 def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int, max_new_tokens: int,
                     batch_size: int, chunk_batches: int = 2, deadline: float | None = None,
-                    temperature: float = 1.0, engine: str = "hf", cuda_graphs: bool = False) -> dict:
+                    temperature: float = 1.0, dtype: str = "auto", engine: str = "hf",
+                    cuda_graphs: bool = False) -> dict:
     """The model's own answers at ``temperature`` to both prompt sets, appended to
     ``data/<split>.jsonl``; a killed stage continues where it stopped. ``engine``: ``hf``
     (batched transformers ``generate``) or ``megatron`` (the project's batched sampler over the
     model imported in memory, :mod:`bebop_megatron.speculative.generate_backend`; same seeds and
     sampler, ``cuda_graphs`` on CUDA only). Generation stops at ``deadline`` (between chunks)
-    once a split has a response."""
+    once a split has a response. ``dtype``: ``fp32``, ``bf16`` or ``auto`` (bf16 on CUDA, fp32
+    on the CPU)."""
     from bebop_megatron.data.generate import ExistingOutput, load_existing, plan_jobs, run_generation
 
     if engine not in ("hf", "megatron"):
@@ -111,7 +113,7 @@ def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int,
                 break
             if backend is None:
                 backend = _backend(engine, hf, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   batch_size=batch_size, device=device, cuda_graphs=cuda_graphs)
+                                   batch_size=batch_size, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
             # Shortest prompts together: less left padding. Sorting within a chunk selects
             # nothing (a chunk is generated whole, the budget is checked between chunks).
             part = sorted(jobs[lo:lo + chunk], key=lambda job: _prompt_length(backend, job))
@@ -156,8 +158,7 @@ def stage_tokenize(meg: Path, data: Path) -> None:
         log(f"tokenize ({split}): {time.time() - t0:.1f} s")
 
 
-def _backend(engine: str, hf: Path, *, device: str, cuda_graphs: bool, **sampling):
-    dtype = "bf16" if device == "cuda" else "fp32"
+def _backend(engine: str, hf: Path, *, device: str, dtype: str, cuda_graphs: bool, **sampling):
     if engine == "megatron":
         from bebop_megatron.speculative.generate_backend import MegatronBackend
 

@@ -25,7 +25,7 @@ from bebop_megatron.data import Batch
 from bebop_megatron.losses import ACCEPT_LEN_KEYS, STAT_KEYS, chain_mask, fused_linear_objective
 from bebop_megatron.losses.decode_exact import decode_exact_rows, run_starts
 from bebop_megatron.losses.vocab import masked_padded_vocab
-from bebop_megatron.model.cp_attention import cp_chunk_ids, shard_sequence
+from bebop_megatron.model.cp_attention import cp_chunk_ids, shard_sequence, unshard_sequence
 
 # Decode-exact sums (held-out pass only; zeros otherwise): entry g-1 is gamma g's expected
 # accepted drafts / verifications over the batch's texts (bebop_megatron.losses.decode_exact).
@@ -127,6 +127,18 @@ class _ContextParallelLayout:
         ca, cb = cp_chunk_ids(self.rank, C)
         return torch.cat([a, head_of(ca + 1), b, head_of(cb + 1)])
 
+    def whole_rows(self, rows_2KN: torch.Tensor, B: int) -> torch.Tensor:
+        """The fused loss's per-position rows ``[2, K, (2L + 2K) * B]`` (``label_rows``) of this
+        rank -> those of the whole rows ``[2, K, S * B]``: pad positions dropped, all-gathered
+        over the CP group and put back in row order."""
+        K = self.K
+        x = rows_2KN.detach().reshape(*rows_2KN.shape[:2], -1, B)
+        L = x.shape[2] // 2 - K
+        local = torch.cat([x[:, :, :L], x[:, :, L + K: 2 * L + K]], dim=2).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local, group=self.group)
+        return unshard_sequence(parts, dim=2).flatten(2)
+
 
 def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: LossConfig,
              vocab_size: int | None = None, decode_exact: bool = False):
@@ -142,7 +154,8 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     padding; every objective and statistic excludes them (logit -inf).
     ``decode_exact`` (the held-out pass): also the ``DECODE_ROWS`` sums, the decode-exact
     forecast on the batch's text for gamma = 1..K (exact where that text was sampled from the
-    backbone at the loss's temperature; one more all-reduce per chunk).
+    backbone at the loss's temperature; one more all-reduce per chunk; under context parallelism
+    one all-gather of the per-position acceptance, the recursion on CP rank 0).
     """
     K = num_steps
     chunks = torch.chunk(hidden, 1 + K, dim=0)
@@ -152,6 +165,7 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     data_targets_KSB = _shift_targets(labels_SB, K)  # step k at t predicts labels[t+k]
     cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
     cp = _ContextParallelLayout(K, cp_group) if cp_group is not None and cp_group.size() > 1 else None
+    whole_valid_KSB = valid_KSB
     if cp is not None:  # the batch holds whole rows; the hidden states this rank's chunks
         valid_KSB, data_targets_KSB = cp.shard(valid_KSB, 1), cp.shard(data_targets_KSB, 1)
     stats = torch.zeros(len(STAT_ROWS), K, dtype=torch.float32, device=hidden.device)
@@ -194,10 +208,14 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     for row, key in enumerate(STAT_KEYS + ACCEPT_LEN_KEYS, start=3):
         stats[row] = dist_stats[key].float()
     if decode_exact:
+        # The recursion runs along whole rows: under CP the acceptance at every position is
+        # gathered over the CP group in row order, and CP rank 0 alone adds the rows' sums.
+        label_rows = dist_stats["label_rows"]
         if cp is not None:
-            raise ValueError("the decode-exact forecast needs whole rows (parallel.context=1)")
-        stats[STAT_ROWS.index(DECODE_ROWS[0]):] = decode_exact_sums(dist_stats["label_rows"], valid_KSB, batch,
-                                                                    K).to(stats)
+            label_rows = cp.whole_rows(label_rows, valid_KSB.shape[2])
+        if cp is None or cp.rank == 0:
+            stats[STAT_ROWS.index(DECODE_ROWS[0]):] = decode_exact_sums(label_rows, whole_valid_KSB, batch,
+                                                                        K).to(stats)
     return loss_sum.float(), num_positions, stats
 
 

@@ -83,8 +83,11 @@ def _frozen_backbone_pipeline(*, forward_step_func, data_iterator, model, num_mi
             "parallel.pipeline_layout must place the MTP layers ('m') on the last pipeline stage, "
             "together with the loss ('L')"
         )
+    # The hidden states a stage sends: this CP rank's chunks of the rows (2 * seq_length / (2C)),
+    # and of those this TP rank's shard under sequence parallelism.
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    s_local = seq_length // tp if config.sequence_parallel else seq_length
+    s_local = seq_length // parallel_state.get_context_parallel_world_size()
+    s_local = s_local // tp if config.sequence_parallel else s_local
     shape = (s_local, micro_batch_size, config.hidden_size)
 
     forward_data_store: list = []

@@ -401,7 +401,7 @@ class Trainer:
         c, p = self.cfg, self.cfg.parallel
         frozen = "backbone frozen" if c.model.freeze_backbone else "backbone TRAINABLE"
         return (
-            f"bebop_megatron: device={self.device} world={self.world} TP={p.tensor} PP={p.pipeline} "
+            f"bebop_megatron: device={self.device} world={self.world} TP={p.tensor} CP={p.context} PP={p.pipeline} "
             f"EP={p.expert} SP={p.sequence_parallel} DP={self.sizes['data']} | "
             f"params {counts[0]:,.0f} (trainable {counts[1]:,.0f}, {frozen}) | "
             f"K={c.mtp.num_steps} MTP steps over {c.mtp.num_layers} layer(s) | loss {c.loss.type}"

@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository in one run on a machine with one NVIDIA GPU (H200 class),
-# no internet, no Transformer Engine; each part has its own time limit (90 + 240 + 240 + 200 s at most:
-# over one device call's 10 minutes, so split the parts over calls with --parts when the first ones run long).
+# no internet, no Transformer Engine; each part has its own time limit (90 + 240 + 240 + 200 s at most,
+# with >= 2 GPUs the cp part first, 150 s more): over one device call's 10 minutes, so split the parts over
+# calls with --parts when the first ones run long.
 #
 #   benchmarks/gpu/run_all.sh [--out DIR]     # on the GPU machine, from anywhere
 #   benchmarks/gpu/run_all.sh --dry-run       # CPU only, tiny sizes: checks that every part still runs
 #   benchmarks/gpu/run_all.sh --parts generate   # only these parts (comma-separated names below)
 #
 # Parts (logs and a CSV land in DIR, default $OUT or benchmarks/gpu/out):
+#   0. cp     benchmarks/bench_context_parallel.py --device cuda: context parallelism (NCCL) on one row of
+#             32K, 64K, 128K tokens of a tiny model, C=1 (one GPU) and C=2 (two GPUs): step time, peak memory
+#             per rank, C=2's losses against C=1's. First, and only on a machine with >= 2 GPUs (one line
+#             says it was skipped otherwise); the dry run runs it at C=2 on two CPU ranks (gloo), tiny rows
 #   1. loss   benchmarks/benchmark_tv_loss.py --impls torch,triton: the fused e2e TV loss, torch vs
 #             Triton kernels, K=3 T=8192 H=4096 V=151936 bf16: time, peak memory, time / projection GEMMs,
 #             and where each step's kernel time goes (--profile: GEMMs, Triton, reductions, elementwise)
@@ -30,14 +35,14 @@ set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 dry=0
-parts=loss,step,tests,generate
+parts=cp,loss,step,tests,generate
 outdir=${OUT:-$repo/benchmarks/gpu/out}
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --out) [ $# -ge 2 ] || { echo "error: --out needs a directory" >&2; exit 2; }; outdir=$2; shift ;;
     --parts) [ $# -ge 2 ] || { echo "error: --parts needs a list, e.g. step,generate" >&2; exit 2; }; parts=$2; shift ;;
-    -h|--help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument '$1' (use --dry-run, --out DIR, --parts LIST)" >&2; exit 2 ;;
   esac
   shift
@@ -69,6 +74,9 @@ if [ $dry = 0 ]; then
   generate=(--device cuda "${model[@]}" --batch-size 256 --num-prompts 512 --max-new-tokens 256 --prompt-words 20,200
             --variants hf,megatron,megatron_graphs)
   limits=(90 240 240 200)
+  ngpu=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  cp=(--device cuda --seq 32768 65536 131072 --cp 1 2 --steps 3)
+  cp_limit=150
 else
   export BEBOP_ALLOW_SLOW_BF16=1  # bf16 on the CPU at tiny sizes: slow GEMMs do not matter here
   loss=(--impls torch --device cpu --dtype bf16 --steps 3 --tokens 48 --hidden 32 --vocab 500 --chunk-tokens 32
@@ -78,11 +86,15 @@ else
   tests=(--collect-only -m gpu tests/test_kernel_triton.py tests/test_lk_triton.py)
   generate=(--device cpu --shape tiny --batch-size 4 --num-prompts 8 --max-new-tokens 8 --threads 1)
   limits=(120 120 120 120)
+  ngpu=2  # stands in for a multi-GPU machine: the cp part runs on two CPU ranks
+  cp=(--device cpu --dry-run --cp 2)
+  cp_limit=120
 fi
 
 failed=0
 for p in ${parts//,/ }; do
-  case "$p" in loss|step|tests|generate) ;; *) echo "error: unknown part '$p' (loss, step, tests, generate)" >&2; exit 2 ;; esac
+  case "$p" in cp|loss|step|tests|generate) ;;
+    *) echo "error: unknown part '$p' (cp, loss, step, tests, generate)" >&2; exit 2 ;; esac
 done
 part() {  # name, time limit in seconds, command...
   local name=$1 limit=$2
@@ -97,6 +109,12 @@ part() {  # name, time limit in seconds, command...
 }
 
 : > "$outdir/summary.txt"
+# Context parallelism needs one GPU per rank: the first thing a machine with >= 2 GPUs runs.
+if [ "$ngpu" -ge 2 ]; then
+  part cp "$cp_limit" "$py" benchmarks/bench_context_parallel.py "${cp[@]}"
+elif [[ ",$parts," == *",cp,"* ]]; then
+  echo "=== cp: skipped (context parallelism needs >= 2 GPUs; this machine has $ngpu)" | tee -a "$outdir/summary.txt"
+fi
 part loss "${limits[0]}" "$py" benchmarks/benchmark_tv_loss.py "${loss[@]}"
 part step "${limits[1]}" "$py" benchmarks/gpu/bench_train_step.py "${step[@]}"
 part tests "${limits[2]}" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"

@@ -1,12 +1,13 @@
 """Real speculative decoding on the real model: measured vs predicted accepted length and the
 wall-time speed-up over plain decoding, per gamma and temperature (issue #16).
 
-    PYTHONPATH=. python benchmarks/real_model/speculative.py --run objective_ce_random \
+    PYTHONPATH=. python benchmarks/real_model/speculative.py --run runs/fresh/ce/seed0 \
         --gammas 1 2 3 --temperatures 1 0.7 --num-prompts 4 --max-new-tokens 32 --publish
 
 Runs ``tools/speculative_generate.py``'s logic (:mod:`bebop_megatron.speculative`) on a trained
-checkpoint of ``run_objectives.py`` (``<cache>/runs/cpu/<run>/ckpt``) over the first
-``--num-prompts`` held-out prompts (``runs/cpu/data/prompts/heldout.jsonl``, chat template of
+checkpoint of ``run_objectives.py`` (the objective study's run folder under ``<cache>/runs/cpu``,
+whose last checkpoint ``run_objectives.py`` keeps: ``<cache>/runs/cpu/<run>/ckpt``) over the
+first ``--num-prompts`` held-out prompts (``runs/cpu/prompts/heldout.jsonl``, chat template of
 the backbone's tokenizer). For each prompt and temperature, plain decoding (one target
 forward per token) and speculative decoding for every gamma run one after the other in this
 process with the same model and KV-cache code, so a change of machine load hits them alike;
@@ -42,7 +43,8 @@ BEGIN, END = "<!-- speculative: begin (benchmarks/real_model/speculative.py) -->
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default="objective_ce_random", help="run directory under <cache>/runs/cpu")
+    p.add_argument("--run", default="runs/fresh/ce/seed0",
+                   help="a run folder of run_objectives.py's study under <cache>/runs/cpu (default runs/fresh/ce/seed0)")
     p.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
     p.add_argument("--num-prompts", type=int, default=4)
@@ -57,14 +59,25 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def gen_record(gen, alphas=None) -> dict:
+def gen_record(gen, rows=None) -> dict:
+    """A generation as JSON; ``rows``: its teacher-forced values (``teacher_forced_rows``: Eq. 12's
+    alphas and the decode-exact expected accepted drafts and verifications)."""
     rec = {"prompt_len": gen.prompt_len, "tokens": gen.tokens, "accepted": gen.accepted,
            "target_forwards": gen.target_forwards, "target_seconds": gen.target_seconds,
            "prefill_seconds": gen.prefill_seconds, "draft_seconds": gen.draft_seconds,
            "rounds": [[r.start, r.num_accepted, r.online_alpha] for r in gen.rounds]}
-    if alphas is not None:
-        rec["alpha"], rec["positions"] = alphas[0].tolist(), alphas[1]
+    if rows is not None:
+        rec["alpha"], rec["positions"] = rows["alpha"].tolist(), rows["positions"]
+        rec["tf_accepted"], rec["tf_verifications"] = rows["accepted"], rows["verifications"]
     return rec
+
+
+def finished(path: Path, speculative: bool) -> bool:
+    """A finished generation's file; a speculative one written before the decode-exact forecast
+    (no ``tf_accepted``) is run again."""
+    if not path.exists():
+        return False
+    return not speculative or "tf_accepted" in json.loads(path.read_text())
 
 
 def gen_of(rec: dict):
@@ -92,7 +105,7 @@ def generate(args, out: Path) -> None:
         speculative_generate,
         speculative_steps,
     )
-    from bebop_megatron.speculative.measure import teacher_forced_alphas
+    from bebop_megatron.speculative.measure import teacher_forced_rows
     from bebop_megatron.speculative.megatron_model import MegatronSpecModel
     from bebop_megatron.speculative.session import load, prompt_ids, stop_ids_of
 
@@ -101,7 +114,7 @@ def generate(args, out: Path) -> None:
                 if not (out / name("ls", tau, g, i)).exists()]
     else:
         todo = [(i, tau, g) for i in range(args.num_prompts) for tau in args.temperatures
-                for g in [None, *args.gammas] if not (out / name("ar" if g is None else "g", tau, g, i)).exists()]
+                for g in [None, *args.gammas] if not finished(out / name("ar" if g is None else "g", tau, g, i), g is not None)]
     if not todo:
         log("every configuration is done")
         return
@@ -111,7 +124,7 @@ def generate(args, out: Path) -> None:
     spec = MegatronSpecModel(model, cfg.model.vocab_size)
     second = MegatronSpecModel(model, cfg.model.vocab_size, weight_VH=spec.weight_VH)  # plain decoding's cache
     tokenizer = tokenizer_from_dir(cfg.data.tokenizer)
-    prompts = read_prompts(str(root / "data" / "prompts" / "heldout.jsonl"), args.num_prompts).prompts
+    prompts = read_prompts(str(root / "prompts" / "heldout.jsonl"), args.num_prompts).prompts
     stop = stop_ids_of(tokenizer)
     log(f"loaded {args.run} in {time.perf_counter() - t0:.0f}s; {len(todo)} generations to run")
     start = time.perf_counter()
@@ -133,7 +146,8 @@ def generate(args, out: Path) -> None:
         else:
             res = speculative_generate(spec, ids, gamma=g, temperature=tau, max_new_tokens=args.max_new_tokens,
                                        mode="rs", generator=gen, stop_ids=stop)
-            rec = gen_record(res, teacher_forced_alphas(spec, res, g, tau, "rs"))
+            rec = gen_record(res, teacher_forced_rows(spec, res, g, tau, "rs", max_new_tokens=args.max_new_tokens,
+                                                      stop_ids=stop))
         path = out / name("ls" if args.lockstep else "ar" if g is None else "g", tau, g, i)
         path.with_suffix(".tmp").write_text(json.dumps(rec))
         path.with_suffix(".tmp").rename(path)
@@ -150,13 +164,14 @@ def summarize(args, out: Path) -> list[dict]:
     for tau in args.temperatures:
         for g in args.gammas:
             done = [i for i in range(args.num_prompts)
-                    if (out / name("g", tau, g, i)).exists() and (out / name("ar", tau, None, i)).exists()]
+                    if finished(out / name("g", tau, g, i), True) and (out / name("ar", tau, None, i)).exists()]
             if not done:
                 continue
             recs = [json.loads((out / name("g", tau, g, i)).read_text()) for i in done]
             plain = [gen_of(json.loads((out / name("ar", tau, None, i)).read_text())) for i in done]
             gens = [gen_of(r) for r in recs]
-            alphas = [(torch.tensor(r["alpha"], dtype=torch.float64).reshape(g, -1), r["positions"]) for r in recs]
+            alphas = [{"alpha": torch.tensor(r["alpha"], dtype=torch.float64).reshape(g, -1), "positions": r["positions"],
+                       "accepted": r["tf_accepted"], "verifications": r["tf_verifications"]} for r in recs]
             res = summarize_config(gens, alphas, plain, gamma=g, temperature=tau, mode="rs",
                                    max_new_tokens=args.max_new_tokens, seed=args.seed)
             res["prompts"] = len(done)

@@ -13,7 +13,8 @@ waits for all of them before its next case.
 
 Writes (rank 0) ``DIR/result.json``: per-step loss / top-1 / grad norm, whether every
 backbone parameter is bit-identical after training, and the optimizer's parameter count
-against the trainable (MTP) parameter count. Writes ``DIR/grads0`` (all ranks): the MTP
+against the trainable (MTP) parameter count; with ``data.valid_files``, ``valid``: the held-out
+pass's metrics after the last step. Writes ``DIR/grads0`` (all ranks): the MTP
 gradients of step 0 as a Megatron distributed checkpoint, so that any layout's gradients
 load back as full, unsharded tensors for comparison.
 """
@@ -41,6 +42,10 @@ from bebop_megatron.training.model_weights import (
     save_model_checkpoint,
     use_in_process_write_results,
 )
+
+
+VALID_KEYS = ("loss", "top1", "alpha_rs", "alpha_to", "accept_len_rs", "accept_len_to", "accept_len_decode_rs",
+              "accept_len_decode_to", "kl")
 
 
 def save_mtp_grads(path: str, trainer: Trainer) -> None:
@@ -126,15 +131,17 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
         history.append({"loss": m.loss, "top1": m.top1, "ce": m.ce, "grad_norm": m.grad_norm,
                         "alpha_rs": m.alpha_rs, "alpha_to": m.alpha_to, "accept_len_rs": m.accept_len_rs})
 
+    valid = trainer.evaluate_valid()  # None without data.valid_files
     # Backbone bit-identical on every rank; optimizer holds exactly the trainable params.
     identical = all(torch.equal(p, backbone[n]) for n, p in module.named_parameters() if n in backbone)
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt = optimizer_params(trainer.optimizer)
     opt_ids = {id(p) for p in opt}
     # Every trainable parameter is updated by some data-parallel rank (all of them on every
-    # rank unless the optimizer is distributed), and nothing else is.
+    # rank unless the optimizer is distributed, which shards over DP x CP), and nothing else is.
     covered = torch.tensor([float(id(p) in opt_ids) for p in trainable])
-    dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=parallel_state.get_data_parallel_group())
+    dp_cp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    dist.all_reduce(covered, op=dist.ReduceOp.MAX, group=dp_cp_group)
     counts = torch.tensor(
         [
             float(identical),
@@ -146,6 +153,7 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
         dtype=torch.float64,
     )
     flags = counts[:3].clone()
+    summary = trainer.summary()  # the start-up line (a collective: every rank)
     dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     if dist.get_rank() == 0:
         result = {
@@ -156,7 +164,16 @@ def run_case(out: str, overrides: list[str], save_model: str | None) -> None:
             "rank0_optimizer_numel": int(counts[3]),
             "rank0_trainable_numel": int(counts[4]),
             "world_size": dist.get_world_size(),
+            "summary": summary,
+            "layout": {"tensor": parallel_state.get_tensor_model_parallel_world_size(),
+                       "context": parallel_state.get_context_parallel_world_size(),
+                       "pipeline": parallel_state.get_pipeline_model_parallel_world_size(),
+                       "expert": parallel_state.get_expert_model_parallel_world_size(),
+                       "data": parallel_state.get_data_parallel_world_size(),
+                       "sequence_parallel": bool(module.config.sequence_parallel)},
         }
+        if valid is not None:
+            result["valid"] = {key: getattr(valid, key) for key in VALID_KEYS}
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump(result, f, indent=1)
