@@ -79,6 +79,18 @@ def prompts(num: int, min_words: int, max_words: int, seed: int) -> list:
     return out
 
 
+def model_label(hf_dir: str, args) -> str:
+    """``random_<shape>`` or the directory's name with its config's shape (the ``model`` param)."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    shape = f"{c.get('model_type')}_h{c.get('hidden_size')}_l{c.get('num_hidden_layers')}"
+    if not args.hf_dir:
+        return f"random_{args.shape}:{shape}"
+    path = os.path.abspath(args.hf_dir.rstrip("/"))
+    name = os.path.basename(path)
+    return f"{os.path.basename(os.path.dirname(path)) if name == 'hf' else name}:{shape}"
+
+
 def make_backend(variant: str, hf_dir: str, args):
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
               batch_size=args.batch_size, device=args.device, dtype=args.dtype, threads=args.threads)
@@ -159,8 +171,7 @@ def main(argv=None) -> None:
         for v in variants:
             s, ids[v] = run(backends[v], jobs)
             seconds[v].append(s)
-    metrics, params = {}, dict(model=args.hf_dir and os.path.basename(os.path.dirname(args.hf_dir.rstrip("/")))
-                               or f"random_{args.shape}", dtype=args.dtype, batch=args.batch_size,
+    metrics, params = {}, dict(model=model_label(hf_dir, args), dtype=args.dtype, batch=args.batch_size,
                                prompts=args.num_prompts, max_new=args.max_new_tokens, temperature=args.temperature,
                                top_p=args.top_p, repeats=args.repeats)
     print(f"{'variant':>16} {'tokens':>8} {'seconds':>9} {'tokens/s':>10} {'load s':>7} {'agree':>6}")
