@@ -1,4 +1,5 @@
-"""Checkpoints: resume reproduces the uninterrupted run; a checkpoint loads at another layout."""
+"""Checkpoints: resume reproduces the uninterrupted run; a checkpoint loads at another layout
+(TP, PP, context parallelism in both directions, the distributed optimizer)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def crash_after_step_2(ckpt) -> list:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
-    init, ckpt, dopt = tmp / "init", tmp / "ckpt", tmp / "dopt"
+    init, ckpt, dopt, cpck = tmp / "init", tmp / "ckpt", tmp / "dopt", tmp / "ckpt_c2"
     weights = f"model.init_checkpoint={init}"
     # parallel.distributed_optimizer=true at DP=2: a run saving every 2 steps, its step-2
     # checkpoint resumed at DP=2 and at TP=2 (the fully reshardable optimizer format).
@@ -46,9 +47,15 @@ def runs(tmp_path_factory):
         # A run that saves every 2 steps and "crashes" after the step-2 checkpoint; then resumed.
         ("first", ["parallel.tensor=2", f"save.dir={ckpt}", "save.interval=2", weights], {}),
         ("resumed", ["parallel.tensor=2", f"save.dir={ckpt}", weights],
-         {"before": crash_after_step_2(ckpt) + [["copytree", ckpt, tmp / "ckpt_pp"]]}),
-        # The same checkpoint resumed under pipeline parallelism instead of tensor parallelism.
+         {"before": crash_after_step_2(ckpt) + [["copytree", ckpt, tmp / "ckpt_pp"],
+                                                 ["copytree", ckpt, tmp / "ckpt_cp"]]}),
+        # The same checkpoint resumed under pipeline parallelism instead of tensor parallelism,
+        # and under context parallelism (C=2).
         ("resumed_pp", ["parallel.pipeline=2", f"save.dir={tmp / 'ckpt_pp'}", weights], {}),
+        ("resumed_cp", ["parallel.context=2", f"save.dir={tmp / 'ckpt_cp'}", weights], {}),
+        # The other way: a run at C=2 that "crashes" after its step-2 checkpoint, resumed at C=1 (DP=2).
+        ("cp_first", ["parallel.context=2", f"save.dir={cpck}", "save.interval=2", weights], {}),
+        ("cp_resumed_c1", [f"save.dir={cpck}", weights], {"before": crash_after_step_2(cpck)}),
         ("dopt_first", dist_opt + [f"save.dir={dopt}", "save.interval=2"], {}),
         ("dopt_resumed", dist_opt + [f"save.dir={dopt}"],
          {"before": crash_after_step_2(dopt) + [["copytree", dopt, tmp / "dopt_tp"]]}),
@@ -69,6 +76,18 @@ def test_resume_at_another_layout(runs):
     assert [m["step"] for m in resumed_pp] == [3, 4]
     for got, want in zip(resumed_pp, full[2:]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+
+
+def test_resume_across_a_change_of_context_parallel_size(runs):
+    """A TP=2 checkpoint resumes at C=2, and a C=2 checkpoint at C=1, with the uninterrupted
+    run's losses (the checkpoint holds whole rows' worth of state: nothing depends on C)."""
+    full = runs["full"]
+    for got, want in zip(runs["cp_first"], full):  # C=2 trains as TP=2 does
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+    for name in ("resumed_cp", "cp_resumed_c1"):
+        assert [m["step"] for m in runs[name]] == [3, 4], name
+        for got, want in zip(runs[name], full[2:]):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), name
 
 
 def test_latest_points_at_complete_checkpoint(runs):
