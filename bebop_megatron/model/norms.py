@@ -47,6 +47,24 @@ def qk_norm(config, hidden_size: int, eps: float = 1e-5, **kwargs) -> SPAwareNor
     return SPAwareNorm(config, hidden_size, eps, for_qk=True)
 
 
+class LatentNorm(SPAwareNorm):
+    """MLA's query and key-value latent norms (``q_layernorm`` / ``kv_layernorm``).
+
+    Under SP they act on sequence shards: tagged ``sequence_parallel``, summed over TP. Without
+    SP they act on the whole (duplicated) latent, whose gradient the column-parallel up
+    projection has already summed over TP, so each rank's weight gradient is complete; but
+    Megatron-Core's ``finalize_model_grads`` sums every parameter named ``q_layernorm`` over TP
+    when ``qk_layernorm`` is set (meant for the per-head norms), which would count it TP times.
+    Tagged ``average_gradients_across_tp_domain`` (checked first there), the TP ranks' equal
+    gradients are averaged instead: unchanged."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__(config, hidden_size, eps)
+        if not config.sequence_parallel:
+            for p in self.parameters():
+                setattr(p, "average_gradients_across_tp_domain", True)
+
+
 class HeadNorm(SPAwareNorm):
     """A norm over one head's features (Gated DeltaNet's gated output norm): never tagged
     sequence-parallel, like :func:`qk_norm`; a class because Megatron builds it from a spec."""

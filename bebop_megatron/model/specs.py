@@ -36,7 +36,8 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from bebop_megatron.model.attention import core_attention
-from bebop_megatron.model.norms import SPAwareNorm, qk_norm
+from bebop_megatron.model.mla import TPExactMLASelfAttention
+from bebop_megatron.model.norms import LatentNorm, SPAwareNorm, qk_norm
 
 
 class LocalSPSpecProvider(LocalSpecProvider):
@@ -82,10 +83,12 @@ def local_layer_spec(num_experts: int | None, qk_layernorm: bool, attention_back
 def local_mla_layer_spec(num_experts: int | None, qk_layernorm: bool, attention_backend: str = "sdpa") -> ModuleSpec:
     """The MLA decoder layer (DeepSeek-V3) with Megatron-Core's local modules.
 
-    Megatron's own local MLA spec, with three swaps: the core attention accepts MLA's
-    separate key and value head widths (``model/attention.py``, either backend), and the layer
-    norms and the query/key-value latent norms are the SP-aware norm (the latent norms act
-    on sequence-parallel shards under SP, so their weights are tagged like the layer norms).
+    Megatron's own local MLA spec, with four swaps: the attention module sums the rope key's
+    gradient over TP (``model/mla.py``), the core attention accepts MLA's separate key and
+    value head widths (``model/attention.py``, either backend), the layer norms are the
+    SP-aware norm and the query/key-value latent norms its :class:`LatentNorm` (under SP they
+    act on sequence-parallel shards and are tagged like the layer norms; without SP their
+    gradients are complete on every TP rank and must not be summed over TP again).
     """
     sub = get_gpt_layer_local_submodules(num_experts=num_experts, qk_layernorm=qk_layernorm,
                                          multi_latent_attention=True, normalization="RMSNorm")
@@ -93,8 +96,8 @@ def local_mla_layer_spec(num_experts: int | None, qk_layernorm: bool, attention_
     attn_sub = dataclasses.replace(
         attn.submodules,
         core_attention=core_attention(attention_backend, mla=True),
-        q_layernorm=SPAwareNorm if qk_layernorm else IdentityOp,
-        kv_layernorm=SPAwareNorm if qk_layernorm else IdentityOp,
+        q_layernorm=LatentNorm if qk_layernorm else IdentityOp,
+        kv_layernorm=LatentNorm if qk_layernorm else IdentityOp,
     )
     # Same checkpoint keys as the Transformer Engine MLA spec (latent norms fused into the
     # up projections; a dense layer's pre-MLP norm fused into linear_fc1).
@@ -110,7 +113,7 @@ def local_mla_layer_spec(num_experts: int | None, qk_layernorm: bool, attention_
             sub,
             input_layernorm=SPAwareNorm,
             pre_mlp_layernorm=SPAwareNorm,
-            self_attention=ModuleSpec(module=attn.module, params=attn.params, submodules=attn_sub),
+            self_attention=ModuleSpec(module=TPExactMLASelfAttention, params=attn.params, submodules=attn_sub),
             sharded_state_dict_keys_map=keys_map,
         ),
     )

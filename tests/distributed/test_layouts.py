@@ -4,7 +4,9 @@ The objective is the e2e TV loss (vocabulary-parallel under TP, sequence-paralle
 states under SP); one layout repeats TP+SP with the CE objective, two run the MTP chain with
 ``mtp.next_step_input=pre_norm`` (TP+SP, and a standalone MTP pipeline stage); one runs TP+SP
 with the fused SDPA attention (``model.attention_backend=sdpa``, the default of every other
-run) against the unfused Megatron attention on one rank. The Qwen3.5 /
+run) against the unfused Megatron attention on one rank. Multi-Latent Attention runs at TP=2
+with and without SP (its decoupled rope key is one head shared by the heads of both ranks:
+its rows of ``linear_kv_down_proj``'s gradient are compared on their own scale too). The Qwen3.5 /
 Qwen3-Next hybrid (Gated DeltaNet layers, gated attention) runs at PP=2 and, as MoE, EP=2 (TP=2 with SP
 of its Gated DeltaNet layers is checked on the imported models' logits, tests/test_convert_import.py).
 
@@ -18,7 +20,7 @@ bit-identical after training, and an optimizer holding exactly the MTP parameter
 Adam updates are enough for that check: the learning rate is constant (no warmup) and the
 loss falls by about a sixth over them (0.163 to 0.136 for the dense family), so an update
 that differs between layouts shows in the loss well above the 1e-4 tolerance (halving the
-learning rate on rank 1 alone fails that check in all 14 layouts).
+learning rate on rank 1 alone fails that check in all 14 layouts that preceded the MLA ones).
 
 The loss is chunked (``loss.chunk_tokens``) in every run. Under TP each chunk's kernel blocks
 all-reduce their row statistics, and those all-reduces dominate a TP run's time on CPU:
@@ -51,6 +53,10 @@ QWEN_HYBRID = [
     "model.kv_channels=16", "model.rotary_percent=0.25", "model.linear_key_head_dim=8", "model.linear_value_head_dim=8",
     "model.linear_num_key_heads=2", "model.linear_num_value_heads=4",
 ]
+MLA = [
+    "model.multi_latent_attention=true", "model.num_query_groups=4", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+    "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8", "model.v_head_dim=8", "model.qk_layernorm=true",
+]
 FAMILIES = {
     "dense": ["model.qk_layernorm=true"],
     "dense_ce": ["model.qk_layernorm=true", "loss.type=ce"],
@@ -60,6 +66,9 @@ FAMILIES = {
         "model.family=moe", "model.num_experts=4", "model.moe_router_topk=2", "model.add_qkv_bias=true",
         "model.ffn_hidden_size=64", "model.moe_shared_expert_intermediate_size=64",
     ],
+    # Multi-Latent Attention (DeepSeek-V3 shapes, latent norms): under TP the rope key's 8 columns of
+    # the 24 of linear_kv_down_proj lie on rank 1, shared by every rank's heads (model/mla.py)
+    "mla": MLA,
     # Qwen3.5 / Qwen3-Next hybrid: Gated DeltaNet and gated-attention layers, zero-centred norms;
     # the MTP layer is gated attention (dense, or MoE with a gated shared expert).
     "qwen_hybrid": QWEN_HYBRID,
@@ -93,6 +102,8 @@ LAYOUTS = {
          TP_CHUNK_TOKENS],
         "init_checkpoint",
     ),
+    "tp2_mla": ("mla", ["parallel.tensor=2", TP_CHUNK_TOKENS], "init_checkpoint"),
+    "tp2_sp_mla": ("mla", ["parallel.tensor=2", "parallel.sequence_parallel=true", TP_CHUNK_TOKENS], "init_checkpoint"),
     "pp2_qwen_hybrid": ("qwen_hybrid", ["parallel.pipeline=2"], "init_checkpoint"),
     "ep2_qwen_hybrid_moe": ("qwen_hybrid_moe", ["parallel.expert=2"], "init_checkpoint"),
 }
@@ -132,6 +143,10 @@ def test_layout_matches_single_rank(runs, layout):
         scale = ref_g.abs().max().item()
         assert scale > 0, f"reference gradient of {key} is zero"
         torch.testing.assert_close(grads[key], ref_g, rtol=1e-4, atol=1e-5 * scale, msg=key)
+    rope_key = "mtp.layers.0.transformer_layer.self_attention.linear_kv_down_proj.weight"
+    if rope_key in ref_grads:  # MLA: the rope key's rows alone (their gradient is ~1e-3 of the latent rows')
+        ref_g, got_g = ref_grads[rope_key][16:], grads[rope_key][16:]
+        torch.testing.assert_close(got_g, ref_g, rtol=1e-4, atol=1e-5 * ref_g.abs().max().item(), msg=rope_key)
     # After the optimizer steps (STEPS - 1 of them) the trajectories still agree.
     assert len(got_h) == len(ref_h) == STEPS
     assert got_h[-1]["loss"] == pytest.approx(ref_h[-1]["loss"], rel=1e-4)
