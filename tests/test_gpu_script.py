@@ -23,7 +23,7 @@ def test_run_all_dry_run(tmp_path):
     env.pop("OUT", None)
     env.pop("BENCH_RESULTS_CSV", None)
     proc = subprocess.run(["bash", str(REPO / "benchmarks/gpu/run_all.sh"), "--dry-run", "--out", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
     for part in ("cp", "loss", "step", "tests", "generate"):
