@@ -32,8 +32,11 @@ COLUMNS = ["date", "machine", "torch", "megatron_core", "device", "benchmark", "
 
 
 def reply(obj: dict) -> None:
-    """Worker side: one JSON answer on stdout."""
-    print(TAG + json.dumps(obj), flush=True)
+    """Worker side: one JSON answer on stdout, written by one ``write`` (a line under PIPE_BUF
+    bytes is not interleaved with another rank's on a shared pipe; ``print`` writes the text and
+    the newline apart, and two ranks' answers once came out as one line)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (TAG + json.dumps(obj) + "\n").encode())
 
 
 def rss_mb(peak: bool = False) -> float:
