@@ -27,10 +27,7 @@ from tests.helpers.launch import REPO
 def imported(tmp_path_factory):
     from bebop_megatron.convert.importer import convert_from_hf
 
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from bebop_megatron.platform import cpu_mode
+    from tests.helpers.single_process import tear_down
 
     root = tmp_path_factory.mktemp("kinds")
     hf_dir = make_hf_model("llama", root / "hf")
@@ -38,11 +35,7 @@ def imported(tmp_path_factory):
         convert_from_hf(str(hf_dir), str(root / "llama"), max_tensor_parallel=1, progress=False,
                         log=lambda line: None)
     finally:  # the import builds the model in a process group of one: leave none to the other tests
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        cpu_mode.disable()
+        tear_down()
     return root / "llama"
 
 

@@ -26,6 +26,7 @@ import torch
 from bebop_megatron.data.generate import Prompt, plan_jobs
 from tests.helpers.data import make_hf_tokenizer, write_jsonl
 from tests.helpers.generate_tool import read_out, run_tool
+from tests.helpers.single_process import single_process
 
 PROMPTS = [
     {"id": "short", "prompt": "hello"},
@@ -51,12 +52,9 @@ def tiny(tmp_path_factory):
     vocabulary is its word-level tokenizer's (padded to 128 rows in Megatron), with EOS likely
     enough (p ~ 0.1) that samples end both ways; imported in memory in a process group of one,
     left to no other test."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from bebop_megatron.convert.importer import load_hf_model
-    from bebop_megatron.platform import cpu_mode
 
     path = tmp_path_factory.mktemp("tiny_llama")
     make_hf_tokenizer(path)
@@ -74,21 +72,10 @@ def tiny(tmp_path_factory):
         hidden = model.model(torch.randint(0, len(tok), (16, 20))).last_hidden_state.reshape(-1, 64).mean(0)
         model.lm_head.weight[tok.eos_token_id] = 2.0 * hidden / hidden.norm() ** 2
     model.save_pretrained(path)
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    saved = {name: os.environ.pop(name, None) for name in names}
-    try:
+    with single_process():
         imported = load_hf_model(str(path), progress=False, log=lambda line: None)
         yield SimpleNamespace(path=path, model=imported.model, vocab=imported.hf.vocab_size, eos=tok.eos_token_id,
                               hf=model)
-    finally:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        cpu_mode.disable()
-        for name, value in saved.items():
-            if value is not None:
-                os.environ[name] = value
 
 
 def random_prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:

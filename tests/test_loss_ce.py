@@ -8,8 +8,6 @@ function returns sum_t L_t and the number of such positions.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 from types import SimpleNamespace
 import torch
@@ -17,6 +15,7 @@ import torch.distributed as dist
 
 from bebop_megatron.data import Batch
 from bebop_megatron.training.loss import DECODE_ROWS, STAT_ROWS, chain_valid, mtp_ce_loss
+from tests.helpers.single_process import single_process
 
 
 def brute_force_chain(loss_mask, K, segment_ids=None):
@@ -102,23 +101,10 @@ def megatron_single_process():
     assert not dist.is_initialized(), "a process group leaked from an earlier test"
     assert not cpu_mode.is_enabled(), "CPU mode leaked from an earlier test"
     # A single process whatever the environment; restore the variables init_distributed sets.
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    saved = {name: os.environ.pop(name, None) for name in names}
-    try:
+    with single_process():
         assert init_distributed("cpu") == (0, 1)
         parallel_state.initialize_model_parallel()
         yield parallel_state.get_tensor_model_parallel_group()
-    finally:
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        cpu_mode.disable()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
     assert not dist.is_initialized() and not cpu_mode.is_enabled()
 
 
