@@ -26,8 +26,9 @@ Self-check: every step's loss at C=2 equals C=1's (same weights and rows; relati
 else ``SELF-CHECK FAILED`` and that S is not recorded. Rows are appended to ``results.csv`` (or
 ``$BENCH_RESULTS_CSV``) after each S, so a long run keeps the lengths it finished; ``--dry-run``
 records only where ``$BENCH_RESULTS_CSV`` is set. Record only rows measured on an idle machine:
-the load average is printed before and after each variant and a warning when it exceeds the CPU
-count.
+the load average is printed before and after each variant, and the cores other processes used
+meanwhile (the machine's busy CPU time from ``/proc/stat`` less the benchmark's own), with a
+warning above 0.2 cores.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -172,8 +174,28 @@ def table(rows: list, cp: list[int]) -> list[str]:
     return lines
 
 
+OTHER_CORES_LIMIT = 0.2
+
+
 def _load() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds every process of the machine has used since boot (``/proc/stat``; NaN elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    """CPU seconds of this process and of its waited-for descendants (torchrun and its ranks)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def run_variant(args, S: int, C: int) -> dict:
@@ -185,7 +207,7 @@ def run_variant(args, S: int, C: int) -> dict:
     if args.loss:
         cmd.append(f"--loss={args.loss}")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    load0, t0 = _load(), time.perf_counter()
+    load0, t0, busy0, own0 = _load(), time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         ranks = {}
@@ -204,10 +226,14 @@ def run_variant(args, S: int, C: int) -> dict:
             sys.exit(f"S={S} C={C} failed (torchrun exit {rc}):\n{err.read()[-4000:]}")
     res = summarise([ranks[r] for r in range(C)])
     res.update(load=(load0, _load()), wall_s=time.perf_counter() - t0)
-    cpus = os.cpu_count() or 1
-    warn = "  WARNING: load above the CPU count, times not comparable" if max(res["load"]) > cpus else ""
+    # The cores other processes used meanwhile: the machine's busy CPU time less this benchmark's
+    # own (the load average lags by a minute and counts the previous variant's ranks).
+    res["other_cores"] = max((_busy_cpu_s() - busy0) - (_own_cpu_s() - own0), 0.0) / res["wall_s"]
+    warn = (f"  WARNING: other processes used {res['other_cores']:.2f} cores meanwhile, times not comparable"
+            if res["other_cores"] > OTHER_CORES_LIMIT else "")
     print(f"  S={S} C={C}: {res['ms']:.0f} ms/step, peak {res['peak_mb']:.0f} MB/rank, {res['wall_s']:.0f} s in all, "
-          f"load avg {res['load'][0]:.1f} -> {res['load'][1]:.1f}{warn}", flush=True)
+          f"load avg {res['load'][0]:.1f} -> {res['load'][1]:.1f}, other processes {res['other_cores']:.2f} cores{warn}",
+          flush=True)
     return res
 
 
@@ -261,7 +287,8 @@ def main() -> None:
             params = {"S": S, "C": C, "threads_per_rank": r["threads"], "steps": args.steps,
                       **dict(x.split("=") for x in model.split())}
             metrics = {"step_ms": r["ms"], "peak_mb_per_rank": r["peak_mb"], "step_mb_per_rank": r["step_mb"],
-                       "loss0": r["losses"][0], "load_before": r["load"][0], "load_after": r["load"][1]}
+                       "loss0": r["losses"][0], "load_before": r["load"][0], "load_after": r["load"][1],
+                       "other_cores": r["other_cores"]}
             if C != base:
                 metrics.update({f"time_ratio_c{base}": r["ms"] / ref["ms"],
                                 f"peak_ratio_c{base}": r["peak_mb"] / ref["peak_mb"],

@@ -17,7 +17,7 @@ import pytest
 from tests.helpers.launch import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from bench_context_parallel import check_args, summarise, table  # noqa: E402
+from bench_context_parallel import _busy_cpu_s, _own_cpu_s, check_args, summarise, table  # noqa: E402
 
 SCRIPT = REPO / "benchmarks" / "bench_context_parallel.py"
 
@@ -64,3 +64,16 @@ def test_summarise_and_table():
     assert head.split() == ["S", "C=1", "ms", "C=1", "MB/rank", "C=2", "ms", "C=2", "MB/rank", "time", "C2/C1",
                             "mem", "C2/C1", "loss", "diff"]
     assert line.split() == ["32768", "5000", "2000", "3000", "1200", "0.600", "0.600", "1.0e-07"]
+
+
+def test_the_other_processes_cpu_is_the_machines_less_the_benchmarks_own():
+    """Half a second of this process's CPU shows in the benchmark's own CPU time and in the
+    machine's busy time, the two terms whose difference is what other processes used."""
+    import time
+
+    busy0, own0, t0 = _busy_cpu_s(), _own_cpu_s(), time.process_time()
+    while time.process_time() - t0 < 0.5:
+        pass
+    busy, own = _busy_cpu_s() - busy0, _own_cpu_s() - own0
+    assert own >= 0.45
+    assert busy >= 0.9 * own  # the machine counted this process's second too (clock ticks: coarse)
