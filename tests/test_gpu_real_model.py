@@ -1,16 +1,17 @@
-"""``benchmarks/gpu/real_model_study.py``: the GPU objective study, checked on the CPU.
+"""``benchmarks/gpu/``: the GPU objective study's caller of ``tools/objective_study.py``, checked on the CPU.
 
 - carry / receive: the GGUF split into two parts and reassembled on the other side, each part
   and the whole file checked by sha256; a damaged part is refused with one line;
-- ``study --dry-run``: every stage at tiny sizes on a random Llama (the family of SmolLM2):
-  on-policy responses, the calibration, the fresh and the fine-tuned condition for two
-  objectives, the per-position held-out rows and the learning curves written to ``--out``.
-  Checked against independent references: the held-out acceptance that the study computes
-  (``tools/eval_acceptance.py``'s statistics) equals the trainer's own held-out evaluation
-  of the same rows at T=1 (the loss's statistics, another code path); the fine-tuned runs
-  start from the fresh ce head (their first curve point is its last); the fresh runs share
-  the untrained head's first point; and ``real_model_report.py`` makes the tables with
-  intervals from the returned files.
+- ``objective-study``: the tool's command line on the carried model and prompts;
+- ``objective-study --dry-run`` (what ``real_model.sh part 1 --smoke`` runs on the GPU): the
+  tool on a random tiny Llama, then the returned heads, checked against independent
+  references: the runs chosen from the tool's records (ce, and the best other objective by
+  held-out E[L](3) RS at T=1), their MTP weights against the kept checkpoints read by
+  ``torch.distributed.checkpoint`` (not Megatron's loader); then real speculative decoding with
+  them here (``real_model_speculative.py``);
+- ``real_model.sh``: which command each of its verbs runs.
+
+The tool itself is tested in tests/test_objective_study.py.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from tests.helpers import forkserver
 from tests.helpers.launch import REPO
+
+GPU = REPO / "benchmarks" / "gpu"
 
 
 def _load(name: str, path):
@@ -34,8 +38,14 @@ def _load(name: str, path):
     return module
 
 
-study_tool = _load("real_model_study", REPO / "benchmarks" / "gpu" / "real_model_study.py")
+study_tool = _load("real_model_study", GPU / "real_model_study.py")
 files = sys.modules["real_model_files"]  # imported by the study script
+
+
+def _env():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    return env
 
 
 def test_split_receive_reassemble(tmp_path, monkeypatch):
@@ -67,103 +77,125 @@ def test_split_receive_reassemble(tmp_path, monkeypatch):
     assert (work / "model.gguf").read_bytes() == src.read_bytes()
 
 
-def test_study_dry_run(tmp_path):
-    out, work = tmp_path / "out", tmp_path / "work"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("OUT", None)
-    proc = forkserver.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "real_model_study.py"), "study",
-                           "--dry-run", "--work", str(work),
-                           "--out", str(out), "--objectives", "ce,e2e_tv"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    summary = json.loads((out / "summary.json").read_text())
-    runs = summary["runs"]
-    assert set(runs) == {"fresh_ce", "fresh_e2e_tv", "finetune_ce", "finetune_e2e_tv"}, summary.get("skipped")
-    # Empty answers (EOS first) are dropped by the generator.
-    responses = summary["responses"]
-    assert 20 <= responses["train"]["responses"] <= 24 and 4 <= responses["heldout"]["responses"] <= 6
-    steps = summary["steps_per_run"]
-    for name, run in runs.items():
-        assert run["steps"] == steps and run["tokens"] == steps * 4 * 64
-        curve = run["curve"]
-        assert curve[0]["tokens"] == 0 and curve[-1]["step"] == steps
-        # The trainer's held-out evaluation (every row, T=1, the loss's statistics) against the
-        # study's per-position rows (eval_acceptance's statistics) of the same model and rows.
-        assert curve[-1]["alpha_rs"][0] == pytest.approx(run["metrics"]["1"]["alpha_rs_step1"], abs=1e-5)
-    assert runs["fresh_ce"]["curve"][0] == runs["fresh_e2e_tv"]["curve"][0]  # the same untrained head
-    ce_end = runs["fresh_ce"]["curve"][-1]
-    for name in ("finetune_ce", "finetune_e2e_tv"):
-        assert runs[name]["curve"][0]["alpha_rs"] == ce_end["alpha_rs"]
-    positions = np.load(out / "positions_fresh.npz")
-    a = positions["fresh_ce|1|alpha_rs"].astype(np.float64)
-    chain = positions["fresh_ce|1|chain"]
-    assert a[0][chain[0]].mean() == pytest.approx(runs["fresh_ce"]["metrics"]["1"]["alpha_rs_step1"], abs=2e-3)
-    assert "study done" in (out / "study.log").read_text()
-    # The report here: tables with intervals from the returned files, and the curves.
-    report = _load("real_model_report", REPO / "benchmarks" / "gpu" / "real_model_report.py")
-    text, data = report.build(out, num_boot=20)
-    assert "| ce | 1 |" in text and "| e2e_tv | 0.7 |" in text and "Paired differences against ce" in text
-    assert (out / "curves_fresh.png").stat().st_size > 0 and (out / "curves_finetune.png").stat().st_size > 0
-    rows = data["csv"]["fresh_e2e_tv"]
-    assert rows["alpha_rs_step1_T1"] == pytest.approx(runs["fresh_e2e_tv"]["metrics"]["1"]["alpha_rs_step1"], abs=2e-3)
-    assert rows["alpha_rs_step1_T1_lo"] <= rows["alpha_rs_step1_T1"] <= rows["alpha_rs_step1_T1_hi"]
-    _check_returned_heads(out, work, runs)
-
-
-def _check_returned_heads(out, work, runs):
-    """The heads the study returns (fine-tuned ce, the best other fine-tuned head) and real
-    speculative decoding with them here (``real_model_speculative.py``)."""
-    import torch
-
-    ce, best = (torch.load(out / name, weights_only=True) for name in ("head_finetune_ce.pt", "head_best.pt"))
-    assert ce["run"] == "finetune_ce" and best["run"] == "finetune_e2e_tv"  # the only other fine-tuned run
-    assert best["metrics"]["1"]["accept_len_rs_g3"] == runs["finetune_e2e_tv"]["metrics"]["1"]["accept_len_rs_g3"]
-    assert {v.dtype for v in ce["mtp"].values()} == {torch.bfloat16}
-    assert any(not torch.equal(ce["mtp"][k], best["mtp"][k]) for k in ce["mtp"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = forkserver.run([sys.executable, str(REPO / "benchmarks" / "gpu" / "real_model_speculative.py"),
-                           "--from", str(out), "--model-dir", str(work / "megatron"),
-                           "--prompts", str(work / "tiny_prompts" / "heldout.jsonl"), "--num-prompts", "2",
-                           "--max-new-tokens", "6", "--temperatures", "1"],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for head in ("head_finetune_ce", "head_best"):
-        r = json.loads((out / "speculative" / f"{head}_T1.json").read_text())
-        assert r["num_prompts"] == 2 and r["gamma"] == 3 and 0 <= r["measured_accept_len"] <= 3
-        # every verification emits its accepted drafts plus one token (the last may be cut at 6 tokens)
-        assert r["tokens_per_target_forward"] <= 1 + r["measured_accept_len"] + 1e-9
-        assert r["study"] == runs[r["run"]]["metrics"]["1"]
-    assert "| finetune_e2e_tv | e2e_tv | 1 |" in (out / "speculative.md").read_text()
-    report = _load("real_model_report", REPO / "benchmarks" / "gpu" / "real_model_report.py")
-    report.main(["--from", str(out), "--num-boot", "5"])
-    assert "Real speculative decoding with the returned heads" in (out / "RESULTS_gpu.md").read_text()
-
-
-def test_plan_fits_the_time_or_drops_the_last_objectives():
-    plan = dict(step_s=1.6, fixed_s=10.0, tokens_per_step=65536, target_tokens=5_000_000, min_steps=10)
-    # 8 runs: (400 - 80) / (8 x 1.6) = 25 steps; 5M tokens would be 77.
-    assert study_tool.fit_objectives(["ce", "kl", "e2e_tv", "e2e_nla"], left_s=400, **plan) == (
-        25, ["ce", "kl", "e2e_tv", "e2e_nla"], [])
-    assert sys.modules["real_model_runs"].plan_steps(left_s=10_000, num_runs=2, **plan) == 77  # capped by --target-tokens
-    # 10 runs need 10 x (10 + 16) = 260 s at 10 steps: in 240 s the last objective goes, and the
-    # other 8 runs get (240 - 80) / (8 x 1.6) = 12 steps.
-    assert study_tool.fit_objectives(["ce", "kl", "e2e_tv", "e2e_nla", "e2e_lk"], left_s=240, **plan) == (
-        12, ["ce", "kl", "e2e_tv", "e2e_nla"], ["e2e_lk"])
-    with pytest.raises(files.StudyError, match="only 1 steps per run fit"):
-        study_tool.fit_objectives(["ce", "kl", "e2e_tv"], left_s=50, **plan)
-
-
-def test_objective_study_runs_the_tool_on_the_carried_model(tmp_path, monkeypatch):
+def test_objective_study_runs_the_tool_on_the_carried_model(tmp_path):
     """``objective-study``: tools/objective_study.py on the dequantized GGUF and the carried prompts."""
     args = study_tool.parse_args(["objective-study", "--work", str(tmp_path), "--out", str(tmp_path / "o"),
                                   "--seeds", "0,1", "--tokens", "5000"])
-    argv = study_tool.objective_study_argv(args, tmp_path / "hf")
+    argv = study_tool.objective_study_argv(args, tmp_path / "hf", tmp_path / "prompts")
     assert argv == ["--hf-dir", str(tmp_path / "hf"), "--prompts", str(tmp_path / "prompts"), "--work",
                     str(tmp_path / "objective_study"), "--out", str(tmp_path / "o"), "--device", "cuda", "--title",
-                    files.SPEC.title, "--seeds", "0,1", "--tokens", "5000"]
+                    files.SPEC.title, "--keep-checkpoints", "--seeds", "0,1", "--tokens", "5000"]
     tool = _load("objective_study_tool_args", REPO / "tools" / "objective_study.py")
     parsed = tool.parse_args(argv)  # the tool accepts it
     assert parsed.seeds == "0,1" and parsed.tokens == 5000 and parsed.device == "cuda" and parsed.precision == "bf16"
+    assert parsed.keep_checkpoints
+    no_heads = study_tool.parse_args(["objective-study", "--no-heads", "--work", str(tmp_path)])
+    assert "--keep-checkpoints" not in study_tool.objective_study_argv(no_heads, tmp_path, tmp_path)
+    # the dry run's sizes come first: the caller's options win
+    dry = study_tool.parse_args(["objective-study", "--dry-run", "--work", str(tmp_path), "--tokens", "512"])
+    parsed = tool.parse_args(study_tool.objective_study_argv(dry, tmp_path / "hf", tmp_path / "prompts"))
+    assert parsed.tokens == 512 and parsed.seq_length == 64 and parsed.objectives == "ce,e2e_tv"
     # without the reassembled GGUF: one line, before any work
     with pytest.raises(files.StudyError, match="model.gguf is missing"):
         study_tool.objective_study(args)
+
+
+def _checkpoint_mtp(ckpt):
+    """The MTP weights of a run checkpoint, read with torch.distributed.checkpoint alone, named as
+    the model's MTP block names them (local layer spec)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    iteration = ckpt / (ckpt / "latest").read_text().strip()
+    dcp_to_torch_save(iteration, ckpt.parent / "plain.pt")
+    state = torch.load(ckpt.parent / "plain.pt", weights_only=False)
+    return {k[len("mtp."):].replace("transformer_layer", "mtp_model_layer"): v for k, v in state.items()
+            if k.startswith("mtp.") and torch.is_tensor(v)}
+
+
+def test_dry_run_returns_the_heads_and_they_decode_here(tmp_path):
+    import torch
+
+    work, out = tmp_path / "work", tmp_path / "out"
+    proc = forkserver.run([sys.executable, str(GPU / "real_model_study.py"), "objective-study", "--dry-run",
+                           "--device", "cpu", "--work", str(work), "--out", str(out)],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert (out / "RESULTS.md").is_file() and (out / "results.csv").is_file()  # the tool's report
+    # The heads: of the last condition (existing) and seed 0, ce and the best other objective.
+    runs = work / "objective_study" / "runs" / "existing"
+    records = {o: json.loads((runs / o / "seed0" / "record.json").read_text()) for o in ("ce", "e2e_tv")}
+    assert sorted(p.name for p in out.glob("head_*.pt")) == ["head_existing_ce_seed0.pt",
+                                                             "head_existing_e2e_tv_seed0.pt"]
+    for objective, record in records.items():
+        head = torch.load(out / f"head_existing_{objective}_seed0.pt", weights_only=True)
+        assert head["run"] == f"existing_{objective}_seed0" and head["loss"] == objective
+        assert head["metrics"] == record["metrics"]
+        reference = _checkpoint_mtp(runs / objective / "seed0" / "ckpt")
+        common = set(reference) & set(head["mtp"])
+        assert len(common) >= 8, (sorted(reference), sorted(head["mtp"]))
+        for k in common:
+            assert head["mtp"][k].dtype == torch.bfloat16
+            assert torch.equal(head["mtp"][k], reference[k].to(torch.bfloat16)), k
+    # Real speculative decoding with them here, on the import the study made.
+    proc = forkserver.run([sys.executable, str(GPU / "real_model_speculative.py"), "--from", str(out),
+                           "--model-dir", str(work / "objective_study" / "megatron"),
+                           "--prompts", str(work / "tiny_prompts" / "heldout.jsonl"), "--num-prompts", "2",
+                           "--max-new-tokens", "6", "--temperatures", "1"],
+                          env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for objective, record in records.items():
+        r = json.loads((out / "speculative" / f"head_existing_{objective}_seed0_T1.json").read_text())
+        assert r["num_prompts"] == 2 and r["gamma"] == 3 and 0 <= r["measured_accept_len"] <= 3
+        # every verification emits its accepted drafts plus one token (the last may be cut at 6 tokens)
+        assert r["tokens_per_target_forward"] <= 1 + r["measured_accept_len"] + 1e-9
+        assert r["study"] == record["metrics"]["1"]
+    assert "| existing_e2e_tv_seed0 | e2e_tv | 1 |" in (out / "speculative.md").read_text()
+
+
+def test_pick_runs_takes_ce_and_the_best_other(tmp_path):
+    heads = _load("real_model_heads_pick", GPU / "real_model_heads.py")
+    for objective, value in (("ce", 0.5), ("kl", 0.7), ("e2e_tv", 0.9), ("e2e_nla", 1.1)):
+        folder = tmp_path / "runs" / "fresh" / objective / "seed1"
+        (folder / "ckpt").mkdir(parents=True)
+        (folder / "record.json").write_text(json.dumps({"metrics": {"1": {"accept_len_rs_g3": value}}}))
+        if objective != "e2e_nla":  # its checkpoint was not kept: not returned
+            (folder / "ckpt" / "latest").write_text("iter_0000001")
+    picked = heads.pick_runs(tmp_path, conditions="fresh", seeds="1,2", objectives="ce,kl,e2e_tv,e2e_nla")
+    assert [name for name, _, _ in picked] == ["fresh_ce_seed1", "fresh_e2e_tv_seed1"]
+    with pytest.raises(files.StudyError, match="no finished run with a kept checkpoint"):
+        heads.export_heads(tmp_path, tmp_path, conditions="existing", seeds="0", objectives="ce")
+
+
+def test_real_model_sh_runs_the_tool(tmp_path):
+    """Each verb of real_model.sh: the receive and the objective study it starts (a stand-in
+    python3 records them; the script in a copy of the tree, so no .whl/ of this checkout is installed)."""
+    gpu = tmp_path / "benchmarks" / "gpu"
+    gpu.mkdir(parents=True)
+    shutil.copy(GPU / "real_model.sh", gpu / "real_model.sh")
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'a GPU'\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "OUT": str(tmp_path / "out")}
+    env.pop("PYTHON", None)
+
+    def verbs(*args):
+        calls.unlink(missing_ok=True)
+        proc = subprocess.run(["bash", str(gpu / "real_model.sh"), *args], env=env, capture_output=True, text=True,
+                              timeout=60)
+        return proc.returncode, calls.read_text().splitlines() if calls.exists() else [], proc.stderr
+
+    script = "benchmarks/gpu/real_model_study.py"
+    assert verbs("part", "1", "--smoke")[:2] == (0, [
+        f"{script} receive --part 1",
+        f"{script} objective-study --dry-run --device cuda --work .gpu_work/smoke --out {tmp_path / 'out'}/smoke"])
+    assert verbs("part", "1")[:2] == (0, [f"{script} receive --part 1"])
+    assert verbs("part", "2", "--seeds", "0,1")[:2] == (0, [f"{script} receive --part 2",
+                                                            f"{script} objective-study --seeds 0,1"])
+    assert verbs("study", "--tokens", "1000")[:2] == (0, [f"{script} objective-study --tokens 1000"])
+    rc, ran, err = verbs("objective-study")
+    assert rc == 2 and ran == [] and "error: unknown command 'objective-study'" in err

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The real-model objective study (SmolLM2-135M-Instruct) on the GPU machine, in back-to-back calls
-# that keep the machine warm (its ignored files stay between them). Prepared here with
+# The real-model objective study (SmolLM2-135M-Instruct) on the GPU machine: tools/objective_study.py
+# on the carried model and prompts, in back-to-back calls that keep the machine warm (its ignored
+# files stay between them). Prepared here with
 #   .venv/bin/python benchmarks/gpu/real_model_study.py carry      # .gpu_carry1/ and .gpu_carry2/ (ignored)
 # then, on the GPU machine (device tool; benchmarks/README.md, "Real-model study on a GPU"):
 #   benchmarks/gpu/real_model.sh part 1 [--smoke]     # carry .whl .gpu_carry1: wheels, part 1, prompts
-#                                                     # (--smoke: the study's tiny dry run on the GPU)
-#   benchmarks/gpu/real_model.sh part 2 [STUDY ARGS]  # carry .gpu_carry2: part 2, reassembly, then the study
-#   benchmarks/gpu/real_model.sh study [STUDY ARGS]   # the study alone (it resumes from .gpu_work/)
-#   benchmarks/gpu/real_model.sh objective-study [TOOL ARGS]  # instead: tools/objective_study.py on the
-#                                                     # carried model and prompts (docs/study.md)
-# Results land in $OUT (summary.json, positions_*.npz, study.log); turn them into tables here with
-#   .venv/bin/python benchmarks/gpu/real_model_report.py --from DIR --publish
+#                                                     # (--smoke: the tool's tiny dry run on the GPU)
+#   benchmarks/gpu/real_model.sh part 2 [TOOL ARGS]   # carry .gpu_carry2: part 2, reassembly, then the study
+#   benchmarks/gpu/real_model.sh study [TOOL ARGS]    # the study alone (it resumes from .gpu_work/)
+# TOOL ARGS: tools/objective_study.py's options (docs/study.md), e.g. --seeds 0,1,2 --tokens 1000000.
+# Results land in $OUT (RESULTS.md, results.csv, curves_*.png, summary.json, study.log, head_*.pt);
+# real speculative decoding with the heads here: benchmarks/gpu/real_model_speculative.py --from DIR
 set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -40,14 +40,13 @@ case "$what" in
     "$py" benchmarks/gpu/real_model_study.py receive --part "$n" || exit $?
     if [ "$n" = 1 ] && [ "${1:-}" = --smoke ]; then
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-      "$py" benchmarks/gpu/real_model_study.py study --dry-run --device cuda --precision bf16 \
-        --work .gpu_work/smoke --out "${OUT:-benchmarks/gpu/out}/smoke" --objectives ce,e2e_tv || exit $?
+      "$py" benchmarks/gpu/real_model_study.py objective-study --dry-run --device cuda \
+        --work .gpu_work/smoke --out "${OUT:-benchmarks/gpu/out}/smoke" || exit $?
     elif [ "$n" = 2 ]; then
-      exec "$py" benchmarks/gpu/real_model_study.py study "$@"
+      exec "$py" benchmarks/gpu/real_model_study.py objective-study "$@"
     fi
     ;;
-  study) exec "$py" benchmarks/gpu/real_model_study.py study "$@" ;;
-  objective-study) exec "$py" benchmarks/gpu/real_model_study.py objective-study "$@" ;;
+  study) exec "$py" benchmarks/gpu/real_model_study.py objective-study "$@" ;;
   -h|--help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' ;;
-  *) echo "error: unknown command '$what' (part 1|2, study, objective-study)" >&2; exit 2 ;;
+  *) echo "error: unknown command '$what' (part 1|2, study)" >&2; exit 2 ;;
 esac

@@ -3,9 +3,9 @@
 ``carry`` (here) splits the model's GGUF into two parts below 60 MiB and writes the prompt
 sets, into ``.gpu_carry1/`` and ``.gpu_carry2/`` (ignored by git); ``receive`` (on the GPU
 machine) moves a carried part out of the tree, checks its sha256 and, once both are there,
-reassembles the file and checks it whole. ``make_tiny_model`` writes the random tiny Llama
-that ``real_model_study.py study --dry-run`` trains on. The command line is
-``real_model_study.py``'s.
+reassembles the file and checks it whole. ``make_tiny_model`` and ``make_tiny_prompts`` write
+the random tiny Llama and prompts of ``real_model_study.py objective-study --dry-run`` (and of
+tests/test_objective_study.py). The command line is ``real_model_study.py``'s.
 """
 
 from __future__ import annotations

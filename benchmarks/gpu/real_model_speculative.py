@@ -1,25 +1,27 @@
 """Real speculative decoding here (CPU) with the heads the GPU study returned: measured against
-predicted accepted length, the fine-tuned ce head against the study's best head.
+predicted accepted length, the ce head against the study's best other head.
 
     .venv/bin/python benchmarks/gpu/real_model_speculative.py --from DIR [--num-prompts 32]
         [--max-new-tokens 128] [--temperatures 1 0.7] [--publish]
 
-``DIR`` holds what ``benchmarks/gpu/real_model_study.py study`` wrote to ``$OUT``, among it
-``head_finetune_ce.pt`` and ``head_best.pt`` (MTP weights, ``real_model_runs.HeadKeeper``).
-The backbone is rebuilt here from the Megatron import of the same GGUF (``--model-dir``,
-default ``<cache>/smollm2-135m/megatron``: ``benchmarks/real_model/prepare.py``), fp32, and
-each head is loaded into its MTP block. The prompts are the first ``--num-prompts`` of the
-study's held-out prompts (``--prompts``, default ``<cache>/smollm2-135m/prompts_gpu/heldout.jsonl``,
-the file the study carried), the backbone's chat template, no response. For every head and
-temperature: rejection-sampling speculative decoding with gamma 3 (``tools/speculative_generate.py``'s
-``run_config``), the accepted drafts per verification with a 95% interval, and the accepted
-length predicted from teacher-forced acceptance on the same generations (Eq. 12); next to them
-the study's held-out E[L](3) RS of the same head.
+``DIR`` holds what ``benchmarks/gpu/real_model_study.py objective-study`` wrote to ``$OUT``,
+among it the head files ``head_<condition>_<objective>_seed<S>.pt`` (MTP weights of the
+tool's run checkpoints, ``real_model_heads.export_heads``). The backbone is rebuilt here from
+the Megatron import of the same GGUF (``--model-dir``, default ``<cache>/smollm2-135m/megatron``:
+``benchmarks/real_model/prepare.py``), fp32, and each head is loaded into its MTP block. The
+prompts are the first ``--num-prompts`` of the study's held-out prompts (``--prompts``, default
+``<cache>/smollm2-135m/prompts_gpu/heldout.jsonl``, the file the study carried), the backbone's
+chat template, no response. For every head and temperature: rejection-sampling speculative
+decoding with gamma 3 (``tools/speculative_generate.py``'s ``run_config``), the accepted drafts
+per verification with a 95% interval, and the accepted length predicted from teacher-forced
+acceptance on the same generations (Eq. 12); next to them the study's held-out E[L](3) RS of the
+same head.
 
 Resumable: every (head, T) result is ``DIR/speculative/<head>_T<T>.json``; a rerun skips the
-finished ones. Written: ``DIR/speculative.md`` (the table; ``real_model_report.py`` appends it to
-``RESULTS_gpu.md``); with ``--publish`` also the section in ``benchmarks/real_model/RESULTS_gpu.md``
-(between its markers) and rows of ``benchmarks/results.csv`` (benchmark ``real_model_gpu_speculative``).
+finished ones. Written: ``DIR/speculative.md`` (the table); with ``--publish`` also the section in
+the study's report ``DIR/RESULTS.md`` (between its markers) and rows of ``benchmarks/results.csv``
+(benchmark ``real_model_gpu_speculative``). ``benchmarks/real_model/RESULTS_gpu.md`` is the old
+study's report, kept as history: nothing is written there.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from real_model_files import SPEC, StudyError  # noqa: E402
 
 BEGIN = "<!-- speculative: begin (benchmarks/gpu/real_model_speculative.py) -->"
 END = "<!-- speculative: end -->"
-HEADS = ("head_finetune_ce.pt", "head_best.pt")
+HEADS = "head_*.pt"  # real_model_heads.export_heads
 
 
 def parse_args(argv=None):
@@ -56,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--publish", action="store_true",
-                   help="the section in benchmarks/real_model/RESULTS_gpu.md and rows of benchmarks/results.csv")
+                   help="the section in DIR/RESULTS.md (the study's report) and rows of benchmarks/results.csv")
     args = p.parse_args(argv)
     cache = models.cache_root() / SPEC.name  # where benchmarks/real_model/prepare.py put the model
     args.model_dir = Path(args.model_dir or cache / "megatron")
@@ -66,9 +68,9 @@ def parse_args(argv=None):
 
 
 def check_inputs(args) -> list[Path]:
-    heads = [args.src / name for name in HEADS if (args.src / name).is_file()]
+    heads = sorted(args.src.glob(HEADS))
     if not heads:
-        raise StudyError(f"{args.src} holds no {' or '.join(HEADS)}: pass the folder a GPU study (with heads) wrote")
+        raise StudyError(f"{args.src} holds no {HEADS}: pass the folder a GPU study (with heads) wrote")
     if not (args.model_dir / "bebop_model.yaml").is_file():
         raise StudyError(f"{args.model_dir} is not a Megatron import (no bebop_model.yaml): run "
                          "benchmarks/real_model/prepare.py, or pass --model-dir")
@@ -102,7 +104,7 @@ def run(args) -> list[dict]:
     from bebop_megatron.data.tokenizer import tokenizer_from_dir
     from bebop_megatron.speculative.megatron_model import MegatronSpecModel
     from bebop_megatron.speculative.session import prompt_ids, run_config, stop_ids_of
-    from real_model_runs import load_head
+    from real_model_heads import load_head
 
     heads = check_inputs(args)
     done_dir = args.src / "speculative"
@@ -151,7 +153,7 @@ def _key(tau: float) -> str:
 
 def table(rows: list[dict], args) -> str:
     lines = [BEGIN, "", "## Real speculative decoding with the returned heads (CPU, fp32)", "",
-             f"The GPU study's fine-tuned heads, decoding here on the CPU: rejection sampling, gamma {args.gamma}, "
+             f"The GPU study's heads, decoding here on the CPU: rejection sampling, gamma {args.gamma}, "
              f"the first {rows[0]['num_prompts']} held-out prompts (chat template, no response), at most "
              f"{args.max_new_tokens} new tokens each, seed {args.seed} "
              "(`benchmarks/gpu/real_model_speculative.py`). Measured: drafts accepted per verification, 95% "
@@ -177,7 +179,7 @@ def publish(rows: list[dict], args, text: str) -> None:
 
     from common import append_results, replace_marked_section
 
-    dest = HERE.parent / "real_model" / "RESULTS_gpu.md"
+    dest = args.src / "RESULTS.md"
     dest.write_text(replace_marked_section(dest.read_text() if dest.is_file() else "", text, BEGIN, END))
     for r in rows:
         params = {"model": "SmolLM2-135M-Instruct", "head": r["run"], "loss": r["loss"], "gamma": r["gamma"],

@@ -1,0 +1,107 @@
+"""The heads that come back from the GPU study for real speculative decoding here: written on
+the GPU machine from the run checkpoints that ``tools/objective_study.py --keep-checkpoints``
+keeps (:func:`export_heads`), read here by ``benchmarks/gpu/real_model_speculative.py``
+(:func:`load_head`).
+
+A head file (``head_<condition>_<objective>_seed<S>.pt``, torch.save) holds the MTP block's
+weights in bfloat16 (SmolLM2: about 8 MB, under the device tool's 16 MiB per returned file; a
+run checkpoint, with its optimizer, is larger) and the run's name, loss and held-out metrics:
+``{"run", "loss", "metrics", "mtp": {k: tensor}}``. The backbone stays out: it is the import of
+the same GGUF, rebuilt here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from real_model_files import StudyError, log
+
+
+def mtp_block(model):
+    """The MTP block of a (possibly wrapped: DDP, Float16Module) Megatron model."""
+    seen = model
+    while not hasattr(seen, "mtp") and hasattr(seen, "module"):
+        seen = seen.module
+    if getattr(seen, "mtp", None) is None:
+        raise StudyError("the model has no MTP block")
+    return seen.mtp
+
+
+def save_head(path: Path, model, *, run: str, loss: str, metrics: dict) -> None:
+    """The MTP block's weights (bfloat16, on the CPU) and the run's name and held-out metrics."""
+    import torch
+
+    state = {k: v.detach().to("cpu", torch.bfloat16) if v.is_floating_point() else v.detach().cpu()
+             for k, v in mtp_block(model).state_dict().items() if v is not None and torch.is_tensor(v)}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"run": run, "loss": loss, "metrics": metrics, "mtp": state}, tmp)
+    os.replace(tmp, path)
+
+
+def load_head(path: Path, model) -> dict:
+    """Load a head file's weights into ``model``'s MTP block (strict: the same MTP layout, or a
+    :class:`StudyError` naming the keys); returns the file's record without the weights."""
+    import torch
+
+    record = torch.load(path, map_location="cpu", weights_only=True)
+    block = mtp_block(model)
+    own = block.state_dict()
+    state = {k: v.to(own[k].dtype) if k in own and torch.is_tensor(own[k]) else v for k, v in record["mtp"].items()}
+    missing, unexpected = set(own) - set(state), set(state) - set(own)
+    missing = {k for k in missing if not k.endswith("_extra_state")}
+    if missing or unexpected:
+        raise StudyError(f"{path}: the head does not fit this model's MTP block (missing {sorted(missing)[:4]}, "
+                         f"unexpected {sorted(unexpected)[:4]}): same model and --mtp-num-steps?")
+    block.load_state_dict(state, strict=False)
+    return {k: v for k, v in record.items() if k != "mtp"}
+
+
+def score(record: dict) -> float:
+    """The held-out E[L](3) RS at T=1 of a run's record (the tool's ``record.json``)."""
+    value = record["metrics"]["1"].get("accept_len_rs_g3")
+    return -math.inf if value is None else value
+
+
+def pick_runs(work: Path, *, conditions: str, seeds: str, objectives: str) -> list[tuple[str, Path, dict]]:
+    """``[(run name, folder, record)]``: of the last condition and the first seed of the study in
+    ``work`` (the tool's work folder), the ce run and the other objective's run of the highest
+    :func:`score`, among the finished runs that kept their checkpoint."""
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    condition, seed = split(conditions)[-1], int(split(seeds)[0])
+    found = {}
+    for objective in split(objectives):
+        folder = work / "runs" / condition / objective / f"seed{seed}"
+        if (folder / "record.json").is_file() and (folder / "ckpt" / "latest").is_file():
+            found[objective] = (f"{condition}_{objective}_seed{seed}", folder,
+                                json.loads((folder / "record.json").read_text()))
+    others = sorted((o for o in found if o != "ce"), key=lambda o: score(found[o][2]), reverse=True)
+    return [found[o] for o in (["ce"] if "ce" in found else []) + others[:1]]
+
+
+def export_heads(work: Path, out: Path, *, conditions: str, seeds: str, objectives: str,
+                 device: str = "cpu") -> list[Path]:
+    """``out/head_<run>.pt`` of each run :func:`pick_runs` chooses: its checkpoint loaded with
+    ``tools/speculative_generate.py``'s loader (:func:`bebop_megatron.speculative.session.load`),
+    its MTP block saved by :func:`save_head`; returns the files written."""
+    from bebop_megatron.speculative.session import load
+    from bebop_megatron.study.stages import free_cuda
+
+    runs = pick_runs(work, conditions=conditions, seeds=seeds, objectives=objectives)
+    if not runs:
+        raise StudyError(f"no finished run with a kept checkpoint in {work / 'runs'}: no heads to return")
+    written = []
+    for name, folder, record in runs:
+        try:
+            model, _ = load(str(folder / "ckpt"), device)
+        except ValueError as err:
+            raise StudyError(str(err)) from None
+        path = out / f"head_{name}.pt"
+        save_head(path, model, run=name, loss=record["loss"], metrics=record["metrics"])
+        log(f"heads: {path} ({name}, held-out T=1 E[L](3) RS {score(record):.3f})")
+        written.append(path)
+        del model
+        free_cuda()
+    return written
