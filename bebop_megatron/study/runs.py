@@ -36,7 +36,6 @@ import numpy as np
 from bebop_megatron.study.log import StudyError, log, log_file
 from bebop_megatron.study.stages import free_cuda
 
-ROWS_KEYS = ("chain", "alpha_rs", "alpha_to", "entropy_target")
 LAUNCH_FILE = "launch.json"  # a run's settings for its processes (ranks > 1)
 RANKS_LOG = "ranks.log"  # their stderr (and torchrun's)
 
