@@ -3,7 +3,8 @@
 The real run needs one NVIDIA GPU; this keeps the script from rotting where there is none:
 every part runs (the context-parallel benchmark at C=2 on two CPU ranks, the loss benchmark with
 the torch kernel, the training-step benchmark, the collection of the GPU-marked tests, the
-generation benchmark on a tiny model), exits 0 and writes its CSV rows. The loss benchmark's
+generation benchmark on a tiny model, the GPU study's dry run of tools/objective_study.py),
+exits 0 and writes its CSV rows. The loss benchmark's
 result is checked against the float64 formula of ``benchmarks/benchmark_tv_loss.py``.
 """
 
@@ -26,9 +27,11 @@ def test_run_all_dry_run(tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    for part in ("cp", "loss", "step", "tests", "generate"):
+    for part in ("cp", "loss", "step", "tests", "generate", "study"):
         assert f"=== {part}: exit 0" in summary, summary
     assert "33/" in (tmp_path / "tests.log").read_text()  # the GPU-marked Triton tests were collected
+    study = (tmp_path / "study.log").read_text()  # the tool's report, then the two returned heads
+    assert "study done" in study and study.count("heads: ") == 2, study[-3000:]
     rows = list(csv.DictReader(open(tmp_path / "results_gpu.csv")))
     metrics = {(r["benchmark"], r["metric"]): float(r["value"]) for r in rows if r["metric"] != "note"}
     assert metrics[("benchmark_tv_loss_impls", "torch_loss_abs_diff_float64")] < 1e-2  # bf16 inputs

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check of this repository in one run on a machine with one NVIDIA GPU (H200 class),
-# no internet, no Transformer Engine; each part has its own time limit (90 + 240 + 240 + 200 s at most,
-# with >= 2 GPUs the cp part first, 150 s more): over one device call's 10 minutes, so split the parts over
-# calls with --parts when the first ones run long.
+# no internet, no Transformer Engine; each part has its own time limit (90 + 240 + 240 + 200 + 150 s at
+# most, with >= 2 GPUs the cp part first, 150 s more): over one device call's 10 minutes, so split the parts
+# over calls with --parts when the first ones run long.
 #
 #   benchmarks/gpu/run_all.sh [--out DIR]     # on the GPU machine, from anywhere
 #   benchmarks/gpu/run_all.sh --dry-run       # CPU only, tiny sizes: checks that every part still runs
@@ -24,6 +24,9 @@
 #   4. generate  benchmarks/bench_generate.py: tokens/s of the batched Megatron sampler (CUDA graphs off and
 #             on) against transformers' generate, SmolLM2-135M (the carried .gpu_work/hf or $GENERATE_HF_DIR
 #             when present, else its shape with random weights), bf16, batch 256
+#   5. study  benchmarks/gpu/real_model_study.py objective-study --dry-run: tools/objective_study.py on a
+#             random tiny Llama (import, responses, both conditions, report) and the returned heads, bf16 on
+#             CUDA; its files in a fresh temporary folder (its log in DIR/study.log)
 # Rows go to DIR/results_gpu.csv (the GPU's name in the machine column); append them to
 # benchmarks/results.csv with: tail -n +2 DIR/results_gpu.csv >> benchmarks/results.csv
 #
@@ -35,14 +38,14 @@ set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 dry=0
-parts=cp,loss,step,tests,generate
+parts=cp,loss,step,tests,generate,study
 outdir=${OUT:-$repo/benchmarks/gpu/out}
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry=1 ;;
     --out) [ $# -ge 2 ] || { echo "error: --out needs a directory" >&2; exit 2; }; outdir=$2; shift ;;
     --parts) [ $# -ge 2 ] || { echo "error: --parts needs a list, e.g. step,generate" >&2; exit 2; }; parts=$2; shift ;;
-    -h|--help) sed -n '2,33p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,36p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument '$1' (use --dry-run, --out DIR, --parts LIST)" >&2; exit 2 ;;
   esac
   shift
@@ -73,7 +76,7 @@ if [ $dry = 0 ]; then
   if [ -f "$hf/config.json" ]; then model=(--hf-dir "$hf"); else model=(--shape smollm2); fi
   generate=(--device cuda "${model[@]}" --batch-size 256 --num-prompts 512 --max-new-tokens 256 --prompt-words 20,200
             --variants hf,megatron,megatron_graphs)
-  limits=(90 240 240 200)
+  limits=(90 240 240 200 150)
   ngpu=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   cp=(--device cuda --seq 32768 65536 131072 --cp 1 2 --steps 3)
   cp_limit=150
@@ -85,7 +88,7 @@ else
         --global-batch 4 --steps 1 --warmup 1 --variants unfused:1,sdpa:2)
   tests=(--collect-only -m gpu tests/test_kernel_triton.py tests/test_lk_triton.py)
   generate=(--device cpu --shape tiny --batch-size 4 --num-prompts 8 --max-new-tokens 8 --threads 1)
-  limits=(300 300 300 300)  # hang guards only: a loaded 2-core machine took 83 s for the cp part
+  limits=(300 300 300 300 300)  # hang guards only: a loaded 2-core machine took 83 s for the cp part
   ngpu=2  # stands in for a multi-GPU machine: the cp part runs on two CPU ranks
   cp=(--device cpu --dry-run --cp 2)
   cp_limit=300
@@ -93,8 +96,8 @@ fi
 
 failed=0
 for p in ${parts//,/ }; do
-  case "$p" in cp|loss|step|tests|generate) ;;
-    *) echo "error: unknown part '$p' (cp, loss, step, tests, generate)" >&2; exit 2 ;; esac
+  case "$p" in cp|loss|step|tests|generate|study) ;;
+    *) echo "error: unknown part '$p' (cp, loss, step, tests, generate, study)" >&2; exit 2 ;; esac
 done
 part() {  # name, time limit in seconds, command...
   local name=$1 limit=$2
@@ -119,5 +122,11 @@ part loss "${limits[0]}" "$py" benchmarks/benchmark_tv_loss.py "${loss[@]}"
 part step "${limits[1]}" "$py" benchmarks/gpu/bench_train_step.py "${step[@]}"
 part tests "${limits[2]}" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
 part generate "${limits[3]}" "$py" benchmarks/bench_generate.py "${generate[@]}"
+if [[ ",$parts," == *",study,"* ]]; then
+  study_work=$(mktemp -d "${TMPDIR:-/tmp}/bebop_study.XXXXXX") || exit 2
+  part study "${limits[4]}" "$py" benchmarks/gpu/real_model_study.py objective-study --dry-run \
+    --device "$([ $dry = 0 ] && echo cuda || echo cpu)" --work "$study_work" --out "$study_work/out"
+  rm -rf "$study_work"
+fi
 echo "=== $failed part(s) failed; results: $outdir/results_gpu.csv" | tee -a "$outdir/summary.txt"
 exit $failed
