@@ -122,9 +122,11 @@ def parse_args(argv=None):
                                                "(seeds, intervals over responses; docs/study.md), then the heads; the "
                                                "tool's other options (--objectives, --seeds, --tokens, --conditions, "
                                                "...) follow")
-    o.add_argument("--work", default=str(DEFAULT_WORK))
-    o.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "gpu" / "out"))
-    o.add_argument("--device", default="cuda", choices=("cpu", "cuda"))
+    o.add_argument("--work", default=str(DEFAULT_WORK),
+                   help="the carried files (model.gguf, prompts/); the tool's work folder is WORK/objective_study")
+    o.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "gpu" / "out"),
+                   help="the report and the heads (default $OUT, else benchmarks/gpu/out)")
+    o.add_argument("--device", default="cuda", choices=("cpu", "cuda"), help="default cuda")
     o.add_argument("--dry-run", action="store_true",
                    help="a random tiny Llama and prompts written in WORK, at tiny sizes (no carried files needed)")
     o.add_argument("--no-heads", action="store_true",
