@@ -318,6 +318,13 @@ def output_record(job: Job, result: Completion) -> dict:
             "finish_reason": result.finish_reason, "num_tokens": result.num_tokens, **job.prompt.extra}
 
 
+def output_line(job: Job, result: Completion) -> bytes:
+    """The output line of a sample, as :func:`run_generation` writes it (UTF-8, newline ended);
+    raises ``UnicodeEncodeError`` for an answer holding a lone surrogate. The objective study's
+    ``--unpack`` (:mod:`bebop_megatron.study.pack`) rebuilds lines with it."""
+    return (json.dumps(output_record(job, result), ensure_ascii=False) + "\n").encode("utf-8")
+
+
 def run_generation(backend: Backend, jobs: list[Job], out_path: str, existing: ExistingOutput, *,
                    dedupe_responses: bool = False, progress: bool = True) -> Summary:
     """Generate ``jobs`` with ``backend``, appending each kept sample to ``out_path`` at once.
@@ -339,7 +346,7 @@ def run_generation(backend: Backend, jobs: list[Job], out_path: str, existing: E
                 summary.seconds = time.perf_counter() - start
                 if isinstance(result, Completion):
                     try:  # JSON can carry a lone surrogate ("\\ud800"), which UTF-8 cannot encode
-                        line = (json.dumps(output_record(job, result), ensure_ascii=False) + "\n").encode("utf-8")
+                        line = output_line(job, result)
                     except UnicodeEncodeError as err:
                         result = Failure(f"the answer is not valid Unicode ({err.reason})")
                 if isinstance(result, Failure):

@@ -87,6 +87,15 @@ def end_of_turn_ids(generation_eos, tokenizer, where: str) -> list[int]:
     return eos
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The ids a backend gives the model for ``messages``: the chat template's rendering with the
+    assistant's generation prompt, tokenized without adding special tokens (the template already
+    holds those it wants: BOS, role markers). Needs only the tokenizer (the study's ``--unpack``
+    renders the generator's ``prompt_ids`` with it, without loading the model)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 class ChatPrompts:
     """The prompt ids and the completions of a backend with a transformers tokenizer
     (``self.tokenizer``, ``self.eos_ids``); shared by :class:`HFBackend` and the Megatron
@@ -100,9 +109,7 @@ class ChatPrompts:
         cache = self.__dict__.setdefault("_prompt_ids", {})
         key = job.prompt.key
         if key not in cache:
-            text = self.tokenizer.apply_chat_template(job.prompt.messages, tokenize=False, add_generation_prompt=True)
-            # The template already holds the special tokens it wants (BOS, role markers).
-            cache[key] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            cache[key] = chat_prompt_ids(self.tokenizer, job.prompt.messages)
         return cache[key]
 
     def ready_batches(self, jobs: list[Job], batch_size: int):
