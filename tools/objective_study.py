@@ -10,6 +10,10 @@
         --conditions fresh,existing --existing ce:20000 --work WORK
     # the report again (of a finished or a partial study)
     python tools/objective_study.py --work WORK --report-only [same options]
+    # carrying the study to another machine (no weights, no prompt text): pack WORK's state into DIR,
+    # then, on the other machine, unpack it (checked against the prompts and the tokenizer) and go on
+    python tools/objective_study.py --work WORK --pack DIR
+    python tools/objective_study.py --unpack DIR [same options as the study]
 
 Stages, each resumable from --work (a complete stage is skipped; run the same command again after
 an interruption): the import (tools/convert_from_hf.py; none with --megatron); the responses
@@ -21,7 +25,11 @@ decode-exact E[L]), the held-out evaluation at T=1 and 0.7 (tools/eval_acceptanc
 statistics, per position, with the response of every position); last the report in --out:
 RESULTS.md (tables, paired differences against ce and kl with 95% intervals from a bootstrap over
 responses and seeds, a recommendation line per condition), results.csv, curves_<condition>.png,
-summary.json. See docs/study.md.
+summary.json. --pack DIR writes the study's portable state (its responses without the prompts, the
+finished runs' records and rows, MANIFEST.json) into DIR and stops; --unpack DIR restores it into
+--work before the stages (each response line rebuilt from --prompts and the model's tokenizer and
+checked against the pack's sha256); the existing condition's ce heads are not packed (weights):
+retrained when needed. See docs/study.md.
 """
 
 from __future__ import annotations
@@ -101,7 +109,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "removed once the run's record is written")
     s.add_argument("--num-boot", type=int, default=1000, help="bootstrap resamples (default 1000)")
     s.add_argument("--verbose", action="store_true", help="the trainer's own lines")
+    c = p.add_argument_group("carrying the study to another machine (docs/study.md)")
+    c.add_argument("--pack", metavar="DIR",
+                   help="write --work's portable state into DIR and stop (nothing is trained; DIR is replaced "
+                        "atomically): the responses without what their prompts give back (gzip), the responses "
+                        "stage's files, every finished run's record.json and rows.npz, MANIFEST.json (the machine, "
+                        "the date, the commit); not the import nor the existing condition's ce heads (weights: "
+                        "retrained after an unpack); needs only --work (--prompts: its manifest.json is recorded)")
+    c.add_argument("--unpack", metavar="DIR",
+                   help="before the stages, restore a --pack DIR into --work: every response line rebuilt with its "
+                        "prompt (--prompts, --num-train, --num-heldout) and its prompt_ids (the tokenizer of "
+                        "--model/--hf-dir) and checked against the packed sha256 (a mismatch: one line, nothing "
+                        "written), the finished runs restored (one already in --work must be the same), the pack's "
+                        "manifest appended to WORK/provenance.jsonl; then the study goes on as usual")
     args = p.parse_args(argv)
+    if args.pack is not None and args.unpack is not None:
+        from bebop_megatron.study.log import StudyError
+
+        raise StudyError("give --pack or --unpack, not both (--pack writes --work's state into DIR and stops; "
+                         "--unpack restores a pack into --work before the study)")
+    if args.pack is not None:
+        return args  # needs only --work
     if args.model is not None and args.hf_dir is not None:
         p.error("give --model or --hf-dir, not both")
     if args.model is None and args.hf_dir is None and args.megatron is None:
@@ -156,6 +184,16 @@ def registry_model(name: str) -> Path:
     return hf
 
 
+def model_folder(args) -> Path | None:
+    """The HF folder of --model or --hf-dir (None: neither)."""
+    from bebop_megatron.study.log import StudyError
+
+    hf = registry_model(args.model) if args.model else Path(args.hf_dir) if args.hf_dir else None
+    if hf is not None and not (hf / "config.json").is_file():
+        raise StudyError(f"{hf}: no config.json (not a Hugging Face model folder)")
+    return hf
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import time
@@ -166,6 +204,11 @@ def main(argv=None) -> None:
     from bebop_megatron.study.stages import prompt_sets, stage_import, stage_responses, stage_tokenize
 
     work = Path(args.work).resolve()
+    if args.pack is not None:
+        from bebop_megatron.study.pack import pack
+
+        pack(work, Path(args.pack).resolve(), prompts=Path(args.prompts) if args.prompts else None)
+        return
     out = Path(args.out).resolve() if args.out else work / "report"
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -186,13 +229,18 @@ def main(argv=None) -> None:
                      verbose=args.verbose,
                      title=args.title or args.model or Path(args.hf_dir or args.megatron).name)
     check_plan(plan)
+    t0 = time.time()
+    hf = None
+    if args.unpack is not None:  # before the stages: they then skip what the pack holds
+        from bebop_megatron.study.pack import unpack
+
+        hf = model_folder(args)
+        sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout) if args.prompts else None
+        unpack(work, Path(args.unpack).resolve(), sets=sets, hf=hf)
     if args.report_only:
         write_report(plan, num_boot=args.num_boot)
         return
-    t0 = time.time()
-    hf = registry_model(args.model) if args.model else Path(args.hf_dir) if args.hf_dir else None
-    if hf is not None and not (hf / "config.json").is_file():
-        raise StudyError(f"{hf}: no config.json (not a Hugging Face model folder)")
+    hf = hf or model_folder(args)
     plan.meg = Path(args.megatron).resolve() if args.megatron else stage_import(hf, work,
                                                                                  mtp_num_steps=args.mtp_num_steps)
     if args.megatron and hf is not None:
