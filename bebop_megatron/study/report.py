@@ -76,6 +76,32 @@ def recommendation(condition: str, stats: dict, diffs: dict, key: str, label: st
             + f" on {label} at T=1; no winner at this size ({size}).")
 
 
+def machine_lines(plan, found: dict) -> list[str]:
+    """The machines the finished runs were made on, when the work folder holds a
+    ``provenance.jsonl`` (a study carried by ``--pack``/``--unpack``; docs/study.md): one line if
+    all were made on one machine, else a line per machine with its runs. A run that no unpack
+    brought was made in this work folder, on this machine. Without the file: no line."""
+    from bebop_megatron.study.pack import PROVENANCE, describe, machine, run_machines
+
+    if not (Path(plan.work) / PROVENANCE).is_file():
+        return []
+    names = [f"{c}/{o}/seed{s}" for c, per_obj in found.items() for o, seeds in per_obj.items() for s in seeds]
+    if not names:
+        return []
+    here = None
+    groups: dict = {}
+    for name, m in run_machines(plan.work, names).items():
+        if m is None:
+            here = here or machine()
+            m = here
+        groups.setdefault(describe(m), []).append(name)
+    if len(groups) == 1:
+        return [f"Machine: every run on {next(iter(groups))} (WORK/{PROVENANCE}: the study was carried by "
+                "--pack/--unpack).", ""]
+    return [f"Machines the runs were made on (WORK/{PROVENANCE}: the study was carried by --pack/--unpack):", "",
+            *(f"- {m}: {', '.join(runs)}" for m, runs in groups.items()), ""]
+
+
 def write_report(plan, *, num_boot: int = 1000) -> dict:
     """RESULTS.md, results.csv, curves_<condition>.png and summary.json in ``plan.out``."""
     import json
@@ -98,6 +124,8 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
              "position; `decode-exact` is what speculative decoding measures (a verification starts after a "
              "rejection or a bonus token, not at every position).",
              ""]
+    machines = machine_lines(plan, found)
+    lines += machines
     csv_rows = []
     summary = {"plan": {k: str(v) if isinstance(v, Path) else v for k, v in vars(plan).items()
                         if k not in ("train_files", "valid_files", "work", "out", "meg")}, "conditions": {}}
@@ -178,7 +206,8 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
     if not found:
         lines.append("No finished run yet.")
     else:
-        lines[4:4] = ["Recommendation per condition:", "", *recs, ""]
+        at = 4 + len(machines)  # after the settings paragraph and the machines' lines
+        lines[at:at] = ["Recommendation per condition:", "", *recs, ""]
     # "E[L](3)" would be a Markdown link: escaped in the file (the log keeps it plain).
     (out / "RESULTS.md").write_text("\n".join(lines).replace("E[L](", "E[L]\\(") + "\n")
     with open(out / "results.csv", "w", newline="") as f:
