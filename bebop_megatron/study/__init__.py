@@ -5,5 +5,7 @@ MTP head on a given model, with intervals that a reviewer accepts.
 - :mod:`.stages`: the import, the model's own responses, their indexed datasets (resumable);
 - :mod:`.runs`: one run (config, training, held-out rows with the text of every position);
 - :mod:`.driver`: every (condition, seed, objective) run, resumable, with progress and ETA;
-- :mod:`.report`: RESULTS.md, CSV rows, curves per condition, the recommendation line.
+- :mod:`.report`: RESULTS.md, CSV rows, curves per condition, the recommendation line;
+- :mod:`.pack`: ``--pack``/``--unpack``, the study's portable state (no weights, no prompt text)
+  carried to another machine, checked line by line when it is unpacked.
 """
