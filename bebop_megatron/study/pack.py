@@ -286,7 +286,10 @@ def pack(work: Path, dest: Path, *, prompts: Path | None = None) -> dict:
 def read_manifest(src: Path) -> dict:
     path = Path(src) / MANIFEST
     if not path.is_file():
-        raise StudyError(f"--unpack {src}: no {MANIFEST} (not a folder written by --pack)")
+        old = Path(src).with_name(Path(src).name + ".old")
+        raise StudyError(f"--unpack {src}: no {MANIFEST} (not a folder written by --pack)"
+                         + (f"; {old} is the previous pack of a --pack killed while it swapped them"
+                            if (old / MANIFEST).is_file() else ""))
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
