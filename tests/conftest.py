@@ -76,6 +76,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.quick)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (tiny tensors: more threads only add wake-up latency)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def synthetic_cache(tmp_path_factory):
     """``(cache_dir, path)``: the tiny fitted synthetic backbone of ``tests/helpers/synthetic_fit.py``,

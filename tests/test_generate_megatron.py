@@ -38,12 +38,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors, one intra-op thread
 
 
 @pytest.fixture(scope="module")

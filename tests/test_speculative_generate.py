@@ -40,13 +40,7 @@ from tests.test_speculative import chi_square_pvalue
 V = 5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The table models' tensors are tiny: intra-op threads only add wake-up latency."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny tensors, one intra-op thread
 
 
 class TableModel:
