@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,8 +16,34 @@ REPO = Path(__file__).resolve().parents[2]
 HELPERS = REPO / "tests" / "helpers"
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, for a server that a process started later binds (a rendezvous, a store).
+
+    Drawn at random below the kernel's ephemeral range, not with ``bind(0)``: the kernel hands
+    ports of that range to every outgoing connection and every ``bind(0)``, so under pytest-xdist
+    another test's socket could take a ``bind(0)`` port between this check and the server's bind
+    (a real-Slurm job's torchrun then timed out as a client of a store that was not its own).
+    Free means bindable on every address (the server may bind the host's name or 0.0.0.0)."""
+    lo, _ = _ephemeral_range()
+    rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+    for _ in range(200):
+        port = rng.randrange(20000, max(lo, 20001))
+        try:
+            for host in ("127.0.0.1", "0.0.0.0"):
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return port
+    with socket.socket() as s:  # every draw taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

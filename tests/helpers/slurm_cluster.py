@@ -26,6 +26,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.helpers.launch import _free_port
+
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "squeue")
 
 
@@ -37,12 +39,6 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "needs root (slurmd starts the jobs)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _which(program: str) -> str:
