@@ -1,4 +1,5 @@
-"""The e2e TV loss fused with the output projection vs the naive autograd formula.
+"""The e2e TV loss fused with the output projection vs the naive autograd formula (and the
+fused ce against Megatron's cross-entropy on full logits: ``--objective ce``).
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/benchmark_tv_loss.py            # the issue's shape, ~10 min on 2 cores
     .venv/bin/python benchmarks/benchmark_tv_loss.py --tokens 256 --vocab 32000 --iters 2   # a quick look
@@ -23,6 +24,15 @@ highest RSS sampled during a step (every 2 ms) minus the RSS before it (inputs a
 previous gradient freed). The two variants' losses and gradients are compared.
 Targets (PASS/MISS): peak extra memory fused <= 1/8 naive; time fused <= 1.0 x naive.
 Rows are appended to ``benchmarks/results.csv``.
+
+``--objective ce``: the trainer's ``ce`` objective (the data tokens' cross-entropy, with the
+acceptance statistics against the backbone, on random data tokens): ``fused`` is
+``fused_linear_objective("ce", ...)`` (what ``loss.type=ce`` runs), ``naive`` what it ran
+before (the statistics from the fused kernel without gradients, then Megatron's
+``vocab_parallel_cross_entropy`` on the full draft logits, one rank)::
+
+    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/benchmark_tv_loss.py --objective ce \
+        --tokens 2048 --hidden 576 --vocab 49152     # SmolLM2-135M's H and V, 2 x 1,024 tokens
 
 ``--impls torch,triton``: instead, the fused loss's kernel implementations side by side in
 one process (``impl=``; triton needs CUDA), on ``--device`` in ``--dtype``, against the
@@ -49,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PeakRSS, Worker, append_results, reply  # noqa: E402
-from loss_inputs import inputs, naive_loss  # noqa: E402
+from loss_inputs import inputs, labels_of, megatron_ce_loss, naive_loss  # noqa: E402
 
 
 def worker(args) -> None:
@@ -59,7 +69,23 @@ def worker(args) -> None:
 
     torch.set_num_threads(os.cpu_count() or 1)
     draft, backbone, weight, valid = inputs(args)
-    if args.worker == "fused":
+    if args.objective == "ce":
+        labels = labels_of(args)
+        if args.worker == "naive":  # Megatron's cross-entropy needs its (one-rank) parallel state
+            import torch.distributed as dist
+            from megatron.core import parallel_state
+
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+                                    rank=0, world_size=1)
+            parallel_state.initialize_model_parallel()
+
+            def loss_fn():
+                return megatron_ce_loss(draft, backbone, weight, valid, labels, args.chunk_tokens)
+        else:
+            def loss_fn():
+                return fused_linear_objective("ce", draft, backbone, weight, valid, labels=labels,
+                                              chunk_tokens=args.chunk_tokens, return_stats=True)[0]
+    elif args.worker == "fused":
         def loss_fn():
             return fused_linear_objective("e2e_tv", draft, backbone, weight, valid, chunk_tokens=args.chunk_tokens)
     else:
@@ -87,6 +113,8 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2048, help="H")
     p.add_argument("--vocab", type=int, default=151936, help="V")
     p.add_argument("--chunk-tokens", type=int, default=512, help="loss.chunk_tokens of the fused variant")
+    p.add_argument("--objective", choices=("e2e_tv", "ce"), default="e2e_tv",
+                   help="ce: the fused ce against Megatron's cross-entropy on full logits (the statistics in both)")
     p.add_argument("--iters", type=int, default=3, help="timed steps per variant (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--impls", default="", help="e.g. torch,triton: compare the fused loss's implementations")
@@ -105,7 +133,7 @@ def main() -> None:
 
     t_start = time.perf_counter()
     shape = ["--steps", str(args.steps), "--tokens", str(args.tokens), "--hidden", str(args.hidden),
-             "--vocab", str(args.vocab), "--chunk-tokens", str(args.chunk_tokens)]
+             "--vocab", str(args.vocab), "--chunk-tokens", str(args.chunk_tokens), "--objective", args.objective]
     workers = [Worker(v, [sys.executable, __file__, "--worker", v, *shape]) for v in ("fused", "naive")]
     try:
         info = [w.read() for w in workers]
@@ -126,7 +154,8 @@ def main() -> None:
     f, n = res["fused"], res["naive"]
     t_ratio, m_ratio = f["time"] / n["time"], f["mem"] / max(n["mem"], 1e-9)
     max_diff = max(abs(a - b) for a, b in zip(f["head"], n["head"]))
-    print(f"K={args.steps} T={args.tokens} H={args.hidden} V={args.vocab} float32 chunk_tokens={args.chunk_tokens} "
+    print(f"objective={args.objective} K={args.steps} T={args.tokens} H={args.hidden} V={args.vocab} float32 "
+          f"chunk_tokens={args.chunk_tokens} "
           f"threads={info[0]['threads']} warmup={args.warmup} iters={args.iters}")
     print(f"{'variant':<8}{'fwd+bwd s':>11}{'peak extra MB':>15}{'loss':>12}{'grad norm':>14}")
     for name, r in res.items():
@@ -135,9 +164,12 @@ def main() -> None:
     print(f"time fused / naive = {t_ratio:.3f}  (target <= 1.0) {verdict(t_ratio <= 1.0)}")
     print(f"peak extra memory fused / naive = {m_ratio:.4f} = 1/{1 / max(m_ratio, 1e-9):.1f}  "
           f"(target <= 1/8) {verdict(m_ratio <= 1 / 8)}")
+    if args.objective == "ce":
+        print("(ce: naive = the statistics without gradients + Megatron's vocab_parallel_cross_entropy on full logits)")
+    params = {"objective": args.objective} if args.objective != "e2e_tv" else {}
     append_results(
         "benchmark_tv_loss", "cpu",
-        {"K": args.steps, "T": args.tokens, "H": args.hidden, "V": args.vocab, "chunk_tokens": args.chunk_tokens},
+        {**params, "K": args.steps, "T": args.tokens, "H": args.hidden, "V": args.vocab, "chunk_tokens": args.chunk_tokens},
         {"fused_s": f["time"], "naive_s": n["time"], "time_ratio": t_ratio, "fused_mem_mb": f["mem"],
          "naive_mem_mb": n["mem"], "mem_ratio": m_ratio, "loss_abs_diff": abs(f["loss"] - n["loss"])},
         info[0]["torch"],

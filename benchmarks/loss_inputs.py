@@ -1,4 +1,4 @@
-"""The e2e TV loss benchmarks' inputs and the naive formula (``benchmark_tv_loss.py``, ``loss_impls.py``)."""
+"""The loss benchmarks' inputs and reference formulas (``benchmark_tv_loss.py``, ``loss_impls.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,37 @@ def inputs(args):
     for k in range(1, K + 1):
         valid[k - 1, T - k:] = False
     return draft, backbone, weight, valid
+
+
+def labels_of(args):
+    """The data tokens of ``--objective ce``: ``[K, T, 1]``, uniform over the vocabulary."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, args.vocab, (args.steps, args.tokens, 1), generator=g)
+
+
+def megatron_ce_loss(draft, backbone, weight, valid, labels, chunk_tokens):
+    """The trainer's ``ce`` before it was fused (commit 09143fa): the acceptance statistics
+    from the fused kernel without gradients, then the cross-entropy of the full draft logits
+    ``[K, T, V]`` by Megatron's ``vocab_parallel_cross_entropy`` (float logits, autograd
+    through the projection). Needs Megatron's parallel state (one rank)."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    from bebop_megatron.losses import fused_linear_objective
+
+    K = draft.shape[0]
+    with torch.no_grad():
+        fused_linear_objective("e2e_tv", draft, backbone, weight, valid, labels=labels, chunk_tokens=chunk_tokens,
+                               return_stats=True, reduction="sum")
+    chain = valid[:, :, 0].long().cumprod(0).bool()  # [K, T]
+    per_pos = draft.new_zeros(chain.shape[1])
+    for k in range(K):
+        logits = (draft[k] @ weight.t()).float()  # [T, 1, V], as Megatron's output layer returns
+        ce = tensor_parallel.vocab_parallel_cross_entropy(logits, labels[k])[:, 0]
+        per_pos = per_pos + torch.where(chain[k], ce, 0.0)
+    return (per_pos / K).sum() / chain[0].sum().clamp(min=1)
 
 
 def naive_loss(draft, backbone, weight, valid):

@@ -136,6 +136,43 @@ def test_fused_linear_objective_equals_objective_on_logits(kind, dtype, chunk_to
     torch.testing.assert_close(stats["top1"], top1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("chunk_tokens", [7, 1000])
+def test_fused_ce_equals_float64_cross_entropy(dtype, chunk_tokens):
+    """Kind ``ce``: the data tokens' cross-entropy of the raw draft logits (the draft
+    temperature does not enter), L_t = (1/K) sum over t's chain, its gradient, ``ce_sum`` per
+    step, and the acceptance statistics of the same call equal to e2e_tv's (against the backbone)."""
+    from bebop_megatron.losses import fused_linear_objective
+
+    g = torch.Generator().manual_seed(6)
+    K, S, B, H, V = 3, 11, 3, 16, 101
+    draft_h = torch.randn(K, S, B, H, generator=g, dtype=dtype, requires_grad=True)
+    backbone_h = torch.randn(S, B, H, generator=g, dtype=dtype)
+    weight = torch.randn(V, H, generator=g, dtype=dtype) / 2
+    valid = torch.rand(K, S, B, generator=g) > 0.2
+    labels = torch.randint(0, V, (K, S, B), generator=g)
+    opts = dict(labels=labels, target_temperature=0.9, draft_temperature=1.1, return_stats=True,
+                chunk_tokens=chunk_tokens, reduction="sum")
+    loss, stats = fused_linear_objective("ce", draft_h, backbone_h, weight, valid, **opts)
+    (grad,) = torch.autograd.grad(2.5 * loss, draft_h)
+
+    ref_h = draft_h.detach().double().requires_grad_(True)
+    inside = torch.tensor([[s + k < S for s in range(S)] for k in range(1, K + 1)])
+    chain = (valid & inside[..., None]).flatten(1).long().cumprod(0).bool()  # [K, S * B]
+    logits = (ref_h @ weight.double().t()).flatten(1, 2)  # [K, S * B, V]
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(K, -1)
+    ref_loss = torch.where(chain, ce, 0.0).sum() / K
+    (ref_grad,) = torch.autograd.grad(2.5 * ref_loss, ref_h)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), **tol)
+    torch.testing.assert_close(grad.double(), ref_grad, **tol)
+    torch.testing.assert_close(stats["ce_sum"].double(), torch.where(chain, ce, 0.0).sum(-1).detach(), **tol)
+
+    _, tv_stats = fused_linear_objective("e2e_tv", draft_h.detach(), backbone_h, weight, valid, **opts)
+    for key, value in tv_stats.items():
+        torch.testing.assert_close(stats[key], value, rtol=0, atol=0, msg=key)
+
+
 def test_fused_linear_objective_rejects_bad_shapes():
     from bebop_megatron.losses import fused_linear_objective
 
@@ -143,6 +180,8 @@ def test_fused_linear_objective_rejects_bad_shapes():
     with pytest.raises(ValueError, match="weight"):
         fused_linear_objective("e2e_tv", h, hb, torch.randn(7, 3), valid)
     with pytest.raises(ValueError, match="kind"):
+        fused_linear_objective("bogus", h, hb, torch.randn(7, 4), valid)
+    with pytest.raises(ValueError, match="'ce' needs labels"):
         fused_linear_objective("ce", h, hb, torch.randn(7, 4), valid)
     with pytest.raises(ValueError, match="backbone_hidden"):
         fused_linear_objective("tv", h, h, torch.randn(7, 4), valid)

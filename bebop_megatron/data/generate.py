@@ -36,6 +36,7 @@ from typing import Iterable, Iterator, Optional, Protocol, Union
 from tqdm import tqdm
 
 from bebop_megatron.data.errors import DataError, malformed_json
+from bebop_megatron.platform.atomic import write_atomic
 
 # Output keys a prompt line may not carry as an extra field (they would be overwritten).
 RESERVED_FIELDS = ("sample", "finish_reason", "num_tokens", "prompt_ids", "response_ids")
@@ -277,10 +278,7 @@ def check_settings(out_path: str, settings: dict, num_existing: int) -> None:
 
 def write_settings(out_path: str, settings: dict) -> None:
     path = settings_path(out_path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(json.dumps(settings, indent=1) + "\n")
-    os.replace(path + ".tmp", path)
+    write_atomic(path, json.dumps(settings, indent=1) + "\n")
 
 
 def plan_jobs(prompts: Iterable[Prompt], n: int, seed: int, done: set) -> list[Job]:

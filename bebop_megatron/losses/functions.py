@@ -49,6 +49,7 @@ class DivergenceOptions:
     impl: str = "torch"  # the chunk kernel: "torch" (kernel_torch) or "triton" (kernel_triton, CUDA)
     vocab_size: int | None = None  # global columns >= vocab_size are Megatron's padding: logits -inf
     label_accept: bool = False  # fused, with labels and stats: also min(1, q(x)/p(x)) at each row's label x
+    label_ce: bool = False  # fused, with labels: value and gradient are -log softmax(draft logits)[label] ("ce")
 
 
 def row_kernel(impl: str):

@@ -37,6 +37,13 @@ more ``R x V`` buffer, so the bound stays a few ``chunk_tokens x V`` buffers.
 Columns at and beyond ``opts.vocab_size`` (Megatron's vocabulary padding) get logit -inf
 in both distributions as soon as a chunk's logits exist (:mod:`bebop_megatron.losses.vocab`).
 
+With ``opts.label_ce`` (objective ``ce``) the value and the gradient are the cross-entropy of
+the draft's raw logits at each row's data token instead (``label_cross_entropy_``: softmax
+minus one-hot, written over the draft logits like any other kind's gradient), and the kernel
+runs for the statistics alone (kind ``tv``, no gradient): the acceptance statistics against
+the backbone come from the same draft logits, so a ce step costs what a kl step costs and
+holds no full logits tensor.
+
 Positions past the end of the sequence (s + k >= S) read zero hidden states (uniform
 target, finite); their steps are invalid, so they get zero gradient.
 
@@ -53,7 +60,7 @@ import torch
 
 from bebop_megatron.losses.functions import DivergenceOptions, row_kernel
 from bebop_megatron.losses.kernel_torch import STAT_KEYS, TV_KL, Workspace, compute_dtype
-from bebop_megatron.losses.vocab import label_accept_rs, mask_padded_vocab_
+from bebop_megatron.losses.vocab import label_accept_rs, label_cross_entropy_, mask_padded_vocab_
 
 TOP1 = "top1"  # extra stat row when labels are given: 1 where argmax q is the data token
 ACCEPT_RS_LABEL = "accept_rs_label"  # with opts.label_accept: min(1, q(x) / p(x)) at the data token x
@@ -80,6 +87,8 @@ class FusedLinearDivergence(torch.autograd.Function):
         V = weight_VH.shape[0]
         dtype = compute_dtype(h_draft_KSBH.dtype, weight_VH.dtype)
         with_grad = ctx.needs_input_grad[0]
+        if opts.label_ce and labels_KSB is None:
+            raise ValueError("label_ce needs labels")
         kernel = row_kernel(opts.impl)
         label_accept = opts.label_accept and labels_KSB is not None and opts.with_stats
         num_stats = (len(STAT_KEYS) + (labels_KSB is not None) + label_accept) if opts.with_stats else 0
@@ -110,7 +119,8 @@ class FusedLinearDivergence(torch.autograd.Function):
                         out = kernel.forward_rows(
                             draft_RV[rows], target_RV[rows], kind=opts.kind,
                             target_temperature=opts.target_temperature, draft_temperature=opts.draft_temperature,
-                            tp_group=opts.tp_group, with_stats=opts.with_stats, with_grad=with_grad, ws=ws,
+                            tp_group=opts.tp_group, with_stats=opts.with_stats,
+                            with_grad=with_grad and not opts.label_ce, ws=ws,
                         )
                         flat = slice(a * B + rows.start, a * B + rows.stop)  # rows of the [S * B] positions
                         value_KN[..., k - 1, flat] = out.value_R
@@ -123,7 +133,10 @@ class FusedLinearDivergence(torch.autograd.Function):
                                     draft_RV[rows], target_RV[rows], labels_KN[k - 1, flat], out.saved_CR,
                                     target_temperature=opts.target_temperature,
                                     draft_temperature=opts.draft_temperature, tp_group=opts.tp_group)
-                        if with_grad:  # these draft logits are read: their rows now hold the gradient
+                        if opts.label_ce:  # the value and gradient are the data token's cross-entropy
+                            value_KN[k - 1, flat] = label_cross_entropy_(
+                                draft_RV[rows], labels_KN[k - 1, flat], tp_group=opts.tp_group, ws=ws)
+                        elif with_grad:  # these draft logits are read: their rows now hold the gradient
                             draft_RV[rows].copy_(out.grad_RV)
                         if kl_dir_RV is not None:
                             kl_dir_RV[rows].copy_(out.grad_kl_RV)

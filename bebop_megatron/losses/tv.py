@@ -173,6 +173,7 @@ _EQUIVALENT_SUFFIX = """
 
 
 OBJECTIVE_KINDS = ("e2e_tv", "tv", "kl", "reverse_kl", *COLD_START_KINDS)
+FUSED_KINDS = (*OBJECTIVE_KINDS, "ce")  # fused_linear_objective's kinds: also the data tokens' cross-entropy
 
 
 def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *, labels=None, tp_group=None,
@@ -200,6 +201,11 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
 
     ``lk_eta``: eta of ``lk`` / ``e2e_lk`` (ignored by the other kinds).
 
+    Kind ``ce`` (fused only; needs ``labels``): L_t = (1/K) sum_{k <= K_t} -log softmax(draft
+    logits)[x_k], the cross-entropy of the raw draft logits (no temperature) at the data tokens,
+    as Megatron's MTP loss; the statistics are still against the backbone, and ``stats`` also
+    holds ``ce_sum`` (``[K]``, the per-step sums of that cross-entropy over the chains).
+
     ``label_rows`` (with ``labels`` and ``return_stats``): the stats also hold ``label_rows``,
     ``[2, K, S * B]`` per row: min(1, q(x) / p(x)) and 1[x = argmax q] at the data token x
     (the acceptance of an RS / greedy draft given the realized token, for the decode-exact
@@ -213,8 +219,8 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
 
     from bebop_megatron.losses.fused import ACCEPT_RS_LABEL, TOP1, FusedLinearDivergence
 
-    if kind not in OBJECTIVE_KINDS:
-        raise ValueError(f"kind must be one of {OBJECTIVE_KINDS}, got {kind!r}")
+    if kind not in FUSED_KINDS:
+        raise ValueError(f"kind must be one of {FUSED_KINDS}, got {kind!r}")
     if draft_hidden.dim() != 4 or backbone_hidden.dim() != 3 or draft_hidden.shape[1:] != backbone_hidden.shape:
         raise ValueError(
             f"draft_hidden must be [K, S, B, H] and backbone_hidden [S, B, H], got {tuple(draft_hidden.shape)} "
@@ -231,6 +237,10 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
         return_stats=return_stats, impl=impl, vocab_size=vocab_size,
     )
     lk_eta = check_lk_eta(lk_eta)
+    if kind == "ce":
+        if labels is None:
+            raise ValueError("kind 'ce' needs labels (the data tokens)")
+        opts = dataclasses.replace(opts, kind="tv", label_ce=True)  # the kernel for the statistics only
     if label_rows:
         if labels is None or not return_stats:
             raise ValueError("label_rows needs labels and return_stats=True")
@@ -243,6 +253,8 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
     keys = STAT_KEYS + ((TOP1,) if labels is not None else ()) + ((ACCEPT_RS_LABEL,) if label_rows else ())
     stats_CKN = stats_CKSB.flatten(2)
     result = _combine(kind, value_KSB.flatten(-2), stats_CKN, valid_KN, reduction, return_stats, keys, lk_eta=lk_eta)
+    if kind == "ce" and return_stats:
+        result[1]["ce_sum"] = torch.where(chain_mask(valid_KN), value_KSB.detach().flatten(-2), 0.0).sum(-1)
     if label_rows:
         result[1]["label_rows"] = stats_CKN[[keys.index(ACCEPT_RS_LABEL), keys.index(TOP1)]]
     return result

@@ -69,4 +69,43 @@ def label_accept_rs(draft_RV, target_RV, labels_R, saved_CR, *, target_temperatu
     return (log_q - log_p).clamp(max=0.0).exp().nan_to_num(nan=0.0)
 
 
-__all__ = ["label_accept_rs", "mask_padded_vocab_", "masked_padded_vocab"]
+def label_cross_entropy_(logits_RV, labels_R, *, tp_group=None, ws=None) -> torch.Tensor:
+    """``[R]``: -log softmax(logits)[x] at each row's label ``x = labels_R`` (global ids; the
+    raw logits, temperature 1: Megatron's MTP cross-entropy), over the vocabulary sharded on
+    ``tp_group``. ``logits_RV`` is overwritten with d value / d logits = softmax - onehot(x)
+    (this shard's columns). Math in float32 (float64 for float64 logits); two all-reduces
+    (the row max, then the sum of exp and the label's logit). ``ws``: a
+    :class:`~bebop_megatron.losses.kernel_torch.Workspace` for the float32 buffer."""
+    from bebop_megatron.losses.kernel_torch import compute_dtype
+
+    sharded = tp_group is not None and dist.get_world_size(tp_group) > 1
+    num_local = logits_RV.shape[-1]
+    start = num_local * (dist.get_rank(tp_group) if sharded else 0)
+    dtype = compute_dtype(logits_RV.dtype)
+    if logits_RV.dtype == dtype:
+        e_RV = logits_RV
+    elif ws is not None:
+        e_RV = ws.take("label_ce", logits_RV, dtype).copy_(logits_RV)
+    else:
+        e_RV = logits_RV.to(dtype)
+    max_R = e_RV.max(dim=-1).values
+    if sharded:
+        dist.all_reduce(max_R, op=dist.ReduceOp.MAX, group=tp_group)
+    local = labels_R.to(logits_RV.device).long() - start
+    mine = (local >= 0) & (local < num_local)
+    index = local.clamp(0, num_local - 1)[:, None]
+    picked_R = torch.where(mine, e_RV.gather(-1, index)[:, 0] - max_R, 0.0)
+    e_RV.sub_(max_R[:, None]).exp_()
+    sums_2R = torch.stack([e_RV.sum(dim=-1), picked_R])
+    if sharded:
+        dist.all_reduce(sums_2R, group=tp_group)
+    sumexp_R, picked_R = sums_2R
+    value_R = sumexp_R.log() - picked_R
+    e_RV.div_(sumexp_R[:, None])
+    e_RV.scatter_add_(-1, index, torch.where(mine, -1.0, 0.0).to(dtype)[:, None])
+    if e_RV is not logits_RV:
+        logits_RV.copy_(e_RV)
+    return value_R
+
+
+__all__ = ["label_accept_rs", "label_cross_entropy_", "mask_padded_vocab_", "masked_padded_vocab"]

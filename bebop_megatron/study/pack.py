@@ -38,6 +38,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from bebop_megatron.platform.atomic import write_atomic
 from bebop_megatron.study.log import StudyError, log
 from bebop_megatron.study.stages import DONE, SPLITS
 
@@ -146,13 +147,6 @@ def _sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _prompt_sha(messages: list, extra: dict) -> str:
@@ -422,7 +416,7 @@ def unpack(work: Path, src: Path, *, sets: dict | None, hf: Path | None) -> dict
     for path in removes:
         path.unlink(missing_ok=True)
     for path, blob in writes:
-        _write_atomic(path, blob)
+        write_atomic(path, blob)
     work.mkdir(parents=True, exist_ok=True)
     with open(work / PROVENANCE, "a") as f:
         f.write(json.dumps({"unpacked_at": _now(), "pack": str(src), "unpacked_on": machine(),

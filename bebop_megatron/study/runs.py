@@ -33,6 +33,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from bebop_megatron.platform.atomic import atomic_open, write_atomic
 from bebop_megatron.study.log import StudyError, log, log_file
 from bebop_megatron.study.stages import free_cuda
 
@@ -155,10 +156,8 @@ def save_rows(path: Path, rows: dict) -> None:
             dtype = np.bool_ if k == "chain" else np.int64 if k == "text" else np.float64 if k.startswith("decode") \
                 else np.float32
             arrays[f"{tau}|{k}"] = np.asarray(v).astype(dtype)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_open(path, "wb") as f:
         np.savez_compressed(f, **arrays)
-    os.replace(tmp, path)
 
 
 def load_rows(path: Path) -> dict:
@@ -174,9 +173,7 @@ def write_json(path: Path, value) -> None:
     """``value`` as JSON, atomically; a non-finite number (a statistic with nothing to measure) is null."""
     from bebop_megatron.cli import finite
 
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(finite(value), indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(finite(value), indent=1) + "\n")
 
 
 def curve_point(m, tokens: int) -> dict:

@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
 from bebop_megatron.model import is_mtp_param
 from bebop_megatron.platform import torch_adam
+from bebop_megatron.platform.atomic import write_atomic
 from bebop_megatron.platform.checkpoint_writer import deferred_coordinator_errors, record_write_errors
 from bebop_megatron.training.model_weights import _filtered_sharded_state_dict, _load_into, use_in_process_write_results
 from bebop_megatron.training.model_weights import load_trained_model  # noqa: F401  (re-exported)
@@ -185,7 +186,7 @@ def _publish(save_dir: str, name: str, keep_last: int, config_yaml: str | None) 
                     f.write(config_yaml)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(final + ".tmp", final)
-            _write_atomic(os.path.join(save_dir, LATEST), name)
+            write_atomic(os.path.join(save_dir, LATEST), name)
         except OSError as err:
             problem = write_problem(err, final + ".tmp")
         else:
@@ -243,15 +244,6 @@ def _same_common_state_on_all_stages(opt_sd: dict, has_mtp: bool) -> dict:
         group=parallel_state.get_pipeline_model_parallel_group(),
     )
     return opt_sd if has_mtp else obj[0]
-
-
-def _write_atomic(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def latest_checkpoint(save_dir: str | None) -> str | None:

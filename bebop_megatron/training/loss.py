@@ -24,7 +24,6 @@ from bebop_megatron.config import LossConfig
 from bebop_megatron.data import Batch
 from bebop_megatron.losses import ACCEPT_LEN_KEYS, STAT_KEYS, chain_mask, fused_linear_objective
 from bebop_megatron.losses.decode_exact import decode_exact_rows, run_starts
-from bebop_megatron.losses.vocab import masked_padded_vocab
 from bebop_megatron.model.cp_attention import cp_chunk_ids, shard_sequence, unshard_sequence
 
 # Decode-exact sums (held-out pass only; zeros otherwise): entry g-1 is gamma g's expected
@@ -144,11 +143,11 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
              vocab_size: int | None = None, decode_exact: bool = False):
     """Returns ``(loss_sum, num_positions, stats)``; ``stats`` is ``[len(STAT_ROWS), K]`` sums.
 
-    ``loss_cfg.type``: ``ce`` (data tokens, through Megatron's output layer and vocab-parallel
-    cross-entropy) or a distribution objective of :mod:`bebop_megatron.losses` against the
-    frozen backbone (``e2e_tv``, ``tv``, ``kl``, ``reverse_kl``, and the cold-start ``nla``,
-    ``e2e_nla``, ``lk``, ``e2e_lk`` with ``loss_cfg.lk_eta``), fused with the output
-    projection: no full logits tensor is ever held. The acceptance statistics (alpha_RS,
+    ``loss_cfg.type``: ``ce`` (the data tokens' cross-entropy of the raw draft logits, the loss
+    of Megatron's MTP layers) or a distribution objective of :mod:`bebop_megatron.losses`
+    against the frozen backbone (``e2e_tv``, ``tv``, ``kl``, ``reverse_kl``, and the cold-start
+    ``nla``, ``e2e_nla``, ``lk``, ``e2e_lk`` with ``loss_cfg.lk_eta``); every one fused with the
+    output projection: no full logits tensor is ever held. The acceptance statistics (alpha_RS,
     alpha_TO, entropies, KL) are computed for every objective, so runs compare directly.
     ``vocab_size`` (``model.vocab_size``): columns from it on are Megatron's vocabulary
     padding; every objective and statistic excludes them (logit -inf).
@@ -182,28 +181,16 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
         draft_KSBH = cp.pad(draft_KSBH, 1)
         fused_valid_KSB, fused_targets_KSB = cp.pad(valid_KSB, 1), cp.pad(data_targets_KSB, 1)
 
-    objective = "e2e_tv" if loss_cfg.type == "ce" else loss_cfg.type
     kwargs = dict(
         labels=fused_targets_KSB, tp_group=tp_group, target_temperature=loss_cfg.target_temperature,
         draft_temperature=loss_cfg.draft_temperature, reduction="sum",
         chunk_tokens=loss_cfg.chunk_tokens, return_stats=True, impl=loss_cfg.impl, vocab_size=vocab_size,
         lk_eta=loss_cfg.lk_eta, label_rows=decode_exact,
     )
-    args = (objective, draft_KSBH, backbone_SBH, weight_VH, fused_valid_KSB)
+    loss_sum, dist_stats = fused_linear_objective(loss_cfg.type, draft_KSBH, backbone_SBH, weight_VH,
+                                                  fused_valid_KSB, **kwargs)
     if loss_cfg.type == "ce":
-        with torch.no_grad():
-            _, dist_stats = fused_linear_objective(*args, **kwargs)
-        per_position_SB = torch.zeros(valid_KSB.shape[1:], dtype=torch.float32, device=hidden.device)
-        for k in range(1, K + 1):
-            logits_SBV, _ = model.output_layer(chunks[k], weight=model.output_weight())
-            logits_SBV = masked_padded_vocab(logits_SBV, vocab_size, tp_group)
-            valid_SB = valid_KSB[k - 1].float()
-            ce_SB = tensor_parallel.vocab_parallel_cross_entropy(logits_SBV.float(), data_targets_KSB[k - 1])
-            per_position_SB = per_position_SB + ce_SB * valid_SB
-            stats[0, k - 1] = (ce_SB.detach() * valid_SB).sum()
-        loss_sum = per_position_SB.sum() / K
-    else:
-        loss_sum, dist_stats = fused_linear_objective(*args, **kwargs)
+        stats[0] = dist_stats["ce_sum"].float()
     stats[1] = dist_stats["top1"].float()
     for row, key in enumerate(STAT_KEYS + ACCEPT_LEN_KEYS, start=3):
         stats[row] = dist_stats[key].float()

@@ -15,6 +15,7 @@ import resource
 import torch
 
 from bebop_megatron.config import Config
+from bebop_megatron.platform.atomic import write_atomic
 
 
 def peak_memory_gib(device: str) -> float:
@@ -39,10 +40,7 @@ def wandb_run_id(save_dir: str | None) -> str | None:
     import uuid
 
     run_id = uuid.uuid4().hex[:12]
-    os.makedirs(save_dir, exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        f.write(run_id + "\n")
-    os.replace(path + ".tmp", path)
+    write_atomic(path, run_id + "\n")
     return run_id
 
 

@@ -16,6 +16,7 @@ import torch
 
 from bebop_megatron.model.builder import fp8_transformer_settings  # noqa: F401  (re-exported)
 from bebop_megatron.platform import have_transformer_engine
+from bebop_megatron.platform.atomic import atomic_open
 
 INSTALL_HINT = "install Transformer Engine with: pip install -e '.[gpu]'"
 
@@ -138,9 +139,8 @@ def measured_bf16_slowdown(probe=None) -> tuple[float, str]:
         if not isinstance(results.get(key), (int, float)):
             results[key] = probe()
             try:
-                with open(path + ".tmp", "w") as f:
+                with atomic_open(path, "w") as f:
                     json.dump(results, f, indent=1)
-                os.replace(path + ".tmp", path)
             except OSError:
                 pass
         return float(results[key]), path

@@ -4,7 +4,8 @@
 fp64 with temperatures 0.7/1.3, grad_output 2.7, chunks smaller than N, cut and fully
 masked chains and argmax ties across shards; it compares loss, stats and the gathered
 draft-logit gradient with TP=1 on rank 0. With ``vocab_size`` (Megatron's padded columns
-from there on, on rank 1 partly or wholly) the reference is TP=1 on the unpadded logits.
+from there on, on rank 1 partly or wholly) the reference is TP=1 on the unpadded logits. The fused ``ce``'s cross-entropy row kernel
+(``label_cross_entropy_``) is compared with float64 ``cross_entropy`` on the full vocabulary.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ EXPECTED = {
     f"{kind}/{dtype}" for kind in (*OBJECTIVE_KINDS, "tv_distance") for dtype in ("fp32", "fp64")
 } | {"e2e_tv/fp32/grad_in_forward", "e2e_tv/fp32/sum", "e2e_lk/fp32/grad_in_forward", "lk/fp64/lk_eta=0.5"} | {
     f"{kind}/fp64/vocab_size={v}" for kind in OBJECTIVE_KINDS for v in (1000, 600)
-}
+} | {f"label_ce/{dtype}/vocab_size={v}" for dtype in ("fp32", "fp64") for v in (None, 1000, 600)}
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from bebop_megatron.losses import OBJECTIVES, tv_distance
+from bebop_megatron.losses.vocab import label_cross_entropy_, masked_padded_vocab
 
 K, N, V = 3, 41, 1270  # V_local = 635 on 2 ranks
 TEMPS = (0.7, 1.3)
@@ -106,6 +107,32 @@ def compare_tv_distance(dtype, group) -> dict:
     return {"errors": errors, "tolerance": tol, "ok": all(e <= tol for e in errors.values())}
 
 
+def compare_label_ce(dtype, group, vocab_size=None) -> dict:
+    """The fused ce's row kernel (``label_cross_entropy_``, gradient in place) on this rank's
+    vocabulary shard against float64 ``torch.nn.functional.cross_entropy`` and its autograd
+    gradient on the full (unpadded) vocabulary; labels on both shards."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    draft, _, _ = make_inputs(torch.float64)
+    logits = draft.reshape(K * N, V)
+    real = vocab_size or V
+    labels = torch.randint(0, real, (K * N,), generator=torch.Generator().manual_seed(7))
+    labels[:2] = torch.tensor([3, real - 1])  # one on each shard's edge
+    full = logits[:, :real].clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(full, labels, reduction="none")
+    (want_grad,) = torch.autograd.grad(want.sum() * GRAD_OUT, full)
+    want_grad = torch.cat([want_grad, want_grad.new_zeros((K * N, V - real))], dim=-1)
+
+    num_local = V // world
+    shard = logits[:, rank * num_local:(rank + 1) * num_local].to(dtype).contiguous()
+    shard = masked_padded_vocab(shard, vocab_size, group)
+    got = label_cross_entropy_(shard, labels, tp_group=group)
+    grad = gather_vocab(shard * GRAD_OUT, group)
+    errors = {"value": rel_err(got, want.detach()), "grad": rel_err(grad, want_grad),
+              "value_same_on_all_ranks": rel_err(gather_vocab(got[None], group), got.repeat(world)[None])}
+    tol = TOLERANCE[dtype]
+    return {"errors": errors, "tolerance": tol, "ok": all(e <= tol for e in errors.values())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -131,6 +158,10 @@ def main() -> None:
         for kind in OBJECTIVES:
             results[f"{kind}/fp64/vocab_size={vocab_size}"] = compare_objective(
                 kind, torch.float64, group, vocab_size=vocab_size, chunk_tokens=7)
+    # the fused ce's cross-entropy (the data tokens', raw logits), with and without padding
+    for dtype, dname in ((torch.float32, "fp32"), (torch.float64, "fp64")):
+        for vocab_size in (None, 1000, 600):
+            results[f"label_ce/{dname}/vocab_size={vocab_size}"] = compare_label_ce(dtype, group, vocab_size)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
