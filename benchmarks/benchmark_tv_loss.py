@@ -22,8 +22,8 @@ One step = forward + backward (to the draft hidden states). Time: median over ``
 steps after ``--warmup``, the two processes stepped alternately. Peak extra memory: the
 highest RSS sampled during a step (every 2 ms) minus the RSS before it (inputs allocated,
 previous gradient freed). The two variants' losses and gradients are compared.
-Targets (PASS/MISS): peak extra memory fused <= 1/8 naive; time fused <= 1.0 x naive.
-Rows are appended to ``benchmarks/results.csv``.
+Targets (PASS/MISS, e2e TV only): peak extra memory fused <= 1/8 naive; time fused <= 1.0 x
+naive. Rows are appended to ``benchmarks/results.csv``.
 
 ``--objective ce``: the trainer's ``ce`` objective (the data tokens' cross-entropy, with the
 acceptance statistics against the backbone, on random data tokens): ``fused`` is
@@ -161,9 +161,10 @@ def main() -> None:
     for name, r in res.items():
         print(f"{name:<8}{r['time']:>11.2f}{r['mem']:>15.0f}{r['loss']:>12.6f}{r['grad_norm']:>14.6e}")
     print(f"agreement: |loss diff| = {abs(f['loss'] - n['loss']):.2e}, max |grad diff| (first 4096) = {max_diff:.2e}")
-    print(f"time fused / naive = {t_ratio:.3f}  (target <= 1.0) {verdict(t_ratio <= 1.0)}")
-    print(f"peak extra memory fused / naive = {m_ratio:.4f} = 1/{1 / max(m_ratio, 1e-9):.1f}  "
-          f"(target <= 1/8) {verdict(m_ratio <= 1 / 8)}")
+    targets = args.objective == "e2e_tv"  # the targets are the fused e2e TV loss's (its issue's)
+    print(f"time fused / naive = {t_ratio:.3f}" + (f"  (target <= 1.0) {verdict(t_ratio <= 1.0)}" if targets else ""))
+    print(f"peak extra memory fused / naive = {m_ratio:.4f} = 1/{1 / max(m_ratio, 1e-9):.1f}"
+          + (f"  (target <= 1/8) {verdict(m_ratio <= 1 / 8)}" if targets else ""))
     if args.objective == "ce":
         print("(ce: naive = the statistics without gradients + Megatron's vocab_parallel_cross_entropy on full logits)")
     params = {"objective": args.objective} if args.objective != "e2e_tv" else {}
