@@ -41,8 +41,9 @@ With ``opts.label_ce`` (objective ``ce``) the value and the gradient are the cro
 the draft's raw logits at each row's data token instead (``label_cross_entropy_``: softmax
 minus one-hot, written over the draft logits like any other kind's gradient), and the kernel
 runs for the statistics alone (kind ``tv``, no gradient): the acceptance statistics against
-the backbone come from the same draft logits, so a ce step costs what a kl step costs and
-holds no full logits tensor.
+the backbone come from the same draft logits, so each step's draft logits are computed once
+and no full logits tensor is held (``benchmarks/benchmark_tv_loss.py --objective ce`` measures
+it against Megatron's cross-entropy on full logits).
 
 Positions past the end of the sequence (s + k >= S) read zero hidden states (uniform
 target, finite); their steps are invalid, so they get zero gradient.
