@@ -7,7 +7,8 @@ float64 references.
   rows, stats, both forward directions and ``grad_rows`` with per-row TV and KL weights
   (float32, bf16, float64; temperatures != 1; padded vocabulary columns; several tiles and
   splits; draft == target; disjoint supports); the ``lk`` / ``e2e_lk`` objectives and
-  ``training.loss.mtp_loss`` with ``impl="triton"`` against ``impl="torch"``.
+  ``training.loss.mtp_loss`` with ``impl="triton"`` against ``impl="torch"`` (also for ``ce``: the
+  kernel's statistics without gradients beside the fused cross-entropy).
 - Compiled for sm_90 through Triton's whole pipeline down to a cubin (no GPU needed): the
   new specialisations, kernel B with the tv_kl kind and kernel C with its two forms (the
   forward's two outputs, the backward's weighted sum), as ``test_kernel_triton.py`` does for
@@ -31,7 +32,7 @@ from tests.helpers.triton_compile import compile_sm90
 KERNEL_CASES = {f"kernel/{name}" for name in ("f32/stats", "f32/nostats", "f64/stats", "bf16/stats", "ties",
                                                 "disjoint")}
 OBJECTIVE_CASES = {f"objective/{kind}/{grad}" for kind in ("lk", "e2e_lk") for grad in ("grad_rows", "grad_in_forward")}
-MTP_LOSS_CASES = {"mtp_loss/lk", "mtp_loss/e2e_lk"}
+MTP_LOSS_CASES = {"mtp_loss/lk", "mtp_loss/e2e_lk", "mtp_loss/ce"}
 CPU_CASES = KERNEL_CASES | OBJECTIVE_CASES | MTP_LOSS_CASES
 
 

@@ -19,7 +19,8 @@ temperatures != 1 and Megatron's padded columns (logit -inf in both distribution
 - ``objective/...``: ``lk_loss`` / ``e2e_lk_loss`` with ``impl="triton"`` against
   ``impl="torch"`` and ``reference.objective`` (float64, cut chains; ``grad_in_forward`` both
   ways, i.e. the forward's two directions and ``grad_rows``): loss and draft-logit gradient.
-- ``mtp_loss/...`` (CPU only): ``training.loss.mtp_loss`` with ``LossConfig(impl="triton")``
+- ``mtp_loss/...`` (CPU only): ``training.loss.mtp_loss`` (``lk``, ``e2e_lk``, and ``ce``, whose
+  statistics come from the kernel without gradients) with ``LossConfig(impl="triton")``
   against ``impl="torch"`` (float32 hidden states, a stand-in output layer with padded rows):
   loss sum, stats and the gradient w.r.t. the hidden states.
 
@@ -255,7 +256,7 @@ def mtp_loss_cases(kt) -> dict:
     model = SimpleNamespace(config=SimpleNamespace(sequence_parallel=False), output_weight=lambda: None,
                             output_layer=SimpleNamespace(weight=weight))
     results = {}
-    for kind in ("lk", "e2e_lk"):
+    for kind in ("lk", "e2e_lk", "ce"):  # ce: the Triton kernel's statistics beside the fused cross-entropy
         out = {}
         for impl in ("torch", "triton"):
             h = hidden.clone().requires_grad_()
