@@ -11,7 +11,21 @@ import torch.distributed as dist
 from bebop_megatron.platform import cpu_mode
 
 __all__ = ["resolve_device", "init_distributed", "cpu_mode", "have_transformer_engine", "device_of",
-           "close_distributed_at_exit"]
+           "close_distributed_at_exit", "cpu_model"]
+
+
+def cpu_model(path: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 def resolve_device(device: str) -> str:

@@ -38,6 +38,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from bebop_megatron.platform import cpu_model
 from bebop_megatron.platform.atomic import write_atomic
 from bebop_megatron.study.log import StudyError, log
 from bebop_megatron.study.stages import DONE, SPLITS
@@ -59,22 +60,13 @@ OUTPUT_KEYS = ("id", "sample", "messages", "prompt_ids", "response_ids", "finish
 
 def machine() -> dict:
     """This machine: CPU model (``/proc/cpuinfo``'s ``model name``), cores, torch, Python, platform."""
-    cpu = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     try:
         import torch
 
         torch_version = torch.__version__
     except ImportError:
         torch_version = None
-    return {"cpu": cpu or platform.processor() or platform.machine() or "unknown", "cores": os.cpu_count(),
+    return {"cpu": cpu_model() or "unknown", "cores": os.cpu_count(),
             "torch": torch_version, "python": platform.python_version(), "platform": platform.platform()}
 
 

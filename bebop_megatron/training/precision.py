@@ -15,7 +15,7 @@ import time
 import torch
 
 from bebop_megatron.model.builder import fp8_transformer_settings  # noqa: F401  (re-exported)
-from bebop_megatron.platform import have_transformer_engine
+from bebop_megatron.platform import cpu_model, have_transformer_engine  # noqa: F401  (cpu_model re-exported)
 from bebop_megatron.platform.atomic import atomic_open
 
 INSTALL_HINT = "install Transformer Engine with: pip install -e '.[gpu]'"
@@ -65,20 +65,6 @@ ALLOW_SLOW_BF16 = "BEBOP_ALLOW_SLOW_BF16"
 PROBE_FILE = "cpu_bf16_probe.json"
 PROBE_SHAPE = (128, 256, 4096)  # (tokens S, hidden H, vocabulary V): ~0.8 GFLOP per precision
 PROBE_VERSION = 1
-
-
-def cpu_model(path: str = "/proc/cpuinfo") -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else ``platform.processor()``."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def _gemm_seconds(dtype: torch.dtype, reps: int, give_up_after: float | None = None) -> float:
