@@ -16,11 +16,15 @@ import torch
 import torch.distributed as dist
 
 
+def _sharded(tp_group) -> bool:
+    return tp_group is not None and dist.get_world_size(tp_group) > 1
+
+
 def _num_real_local(num_local: int, vocab_size: int | None, tp_group) -> int:
     """How many of this rank's ``num_local`` columns are real tokens (0 .. num_local)."""
     if vocab_size is None:
         return num_local
-    rank = dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0
+    rank = dist.get_rank(tp_group) if _sharded(tp_group) else 0
     return max(0, min(num_local, vocab_size - rank * num_local))
 
 
@@ -42,6 +46,14 @@ def masked_padded_vocab(logits_xV: torch.Tensor, vocab_size: int | None, tp_grou
     return logits_xV.masked_fill(padded_V, float("-inf"))
 
 
+def _label_columns(labels_R, num_local: int, tp_group, device):
+    """``(mine_R, index_R1)``: whether each row's label (a global id) is a column of this rank's
+    vocabulary shard, and its local column (clamped into the shard where it is not)."""
+    start = num_local * (dist.get_rank(tp_group) if _sharded(tp_group) else 0)
+    local = labels_R.to(device).long() - start
+    return (local >= 0) & (local < num_local), local.clamp(0, num_local - 1)[:, None]
+
+
 def label_accept_rs(draft_RV, target_RV, labels_R, saved_CR, *, target_temperature: float, draft_temperature: float,
                     tp_group=None) -> torch.Tensor:
     """``[R]``: min(1, q(x) / p(x)) at each row's realized token ``x = labels_R`` (global ids),
@@ -53,15 +65,11 @@ def label_accept_rs(draft_RV, target_RV, labels_R, saved_CR, *, target_temperatu
     so only the two label logits are gathered here, from the shard that holds them (one
     all-reduce over ``tp_group``). A token with p(x) = 0 (not sampled from p) counts as
     accepted when q(x) > 0 and rejected when q(x) = 0."""
-    num_local = draft_RV.shape[-1]
-    start = num_local * (dist.get_rank(tp_group) if tp_group is not None and dist.get_world_size(tp_group) > 1 else 0)
-    local = labels_R.to(draft_RV.device).long() - start
-    mine = (local >= 0) & (local < num_local)
-    index = local.clamp(0, num_local - 1)[:, None]
+    mine, index = _label_columns(labels_R, draft_RV.shape[-1], tp_group, draft_RV.device)
     dtype = saved_CR.dtype
     picked = torch.stack([draft_RV.gather(-1, index)[:, 0].to(dtype), target_RV.gather(-1, index)[:, 0].to(dtype)])
     picked = torch.where(mine, picked, torch.zeros((), dtype=dtype, device=picked.device))
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+    if _sharded(tp_group):
         dist.all_reduce(picked, group=tp_group)
     max_q, sumexp_q, max_p, sumexp_p = saved_CR[:4]
     log_q = (picked[0] - max_q) / draft_temperature - sumexp_q.log()
@@ -78,9 +86,7 @@ def label_cross_entropy_(logits_RV, labels_R, *, tp_group=None, ws=None) -> torc
     :class:`~bebop_megatron.losses.kernel_torch.Workspace` for the float32 buffer."""
     from bebop_megatron.losses.kernel_torch import compute_dtype
 
-    sharded = tp_group is not None and dist.get_world_size(tp_group) > 1
-    num_local = logits_RV.shape[-1]
-    start = num_local * (dist.get_rank(tp_group) if sharded else 0)
+    sharded = _sharded(tp_group)
     dtype = compute_dtype(logits_RV.dtype)
     if logits_RV.dtype == dtype:
         e_RV = logits_RV
@@ -91,9 +97,7 @@ def label_cross_entropy_(logits_RV, labels_R, *, tp_group=None, ws=None) -> torc
     max_R = e_RV.max(dim=-1).values
     if sharded:
         dist.all_reduce(max_R, op=dist.ReduceOp.MAX, group=tp_group)
-    local = labels_R.to(logits_RV.device).long() - start
-    mine = (local >= 0) & (local < num_local)
-    index = local.clamp(0, num_local - 1)[:, None]
+    mine, index = _label_columns(labels_R, logits_RV.shape[-1], tp_group, logits_RV.device)
     picked_R = torch.where(mine, e_RV.gather(-1, index)[:, 0] - max_R, 0.0)
     e_RV.sub_(max_R[:, None]).exp_()
     sums_2R = torch.stack([e_RV.sum(dim=-1), picked_R])
