@@ -273,7 +273,7 @@ def test_finished_runs_of_another_size_are_refused(tmp_path):
     (folder / "rows.npz").write_bytes(b"")
     with pytest.raises(StudyError, match=r"holds a run with \{'tokens': 768, 'lr': 0.001\} but this study asks for "
                                          r"\{'tokens': 4096, 'lr': 0.001\}"):
-        run_study(plan, batch_statistics=None)
+        run_study(plan)
     assert not run_folder(plan, "fresh", "ce", 0).exists()  # nothing ran
 
 

@@ -152,7 +152,7 @@ def shares_fresh_ce(plan: StudyPlan) -> bool:
             and math.ceil(kind[1] / plan.tokens_per_step) == plan.steps)
 
 
-def existing_head(plan: StudyPlan, seed: int, batch_statistics) -> Path:
+def existing_head(plan: StudyPlan, seed: int) -> Path:
     """The ``existing`` condition's start: the import, or the seed's ce head (trained once)."""
     kind = parse_existing(plan.existing)
     if kind == "import":
@@ -165,15 +165,14 @@ def existing_head(plan: StudyPlan, seed: int, batch_statistics) -> Path:
     log(f"existing head (seed {seed}): ce for {steps * plan.tokens_per_step:,} tokens")
     cfg = train_config(plan, loss="ce", seed=seed, steps=steps, lr=plan.lr, data_seed=seed, init_checkpoint=None,
                        curve_interval=0)
-    run_one(plan.work / "heads" / f"ce_{tokens}_seed{seed}.run", cfg, batch_statistics,
-            temperatures=plan.temperatures, gamma=plan.gamma, chunk_positions=plan.chunk_positions, save_head=head,
+    run_one(plan.work / "heads" / f"ce_{tokens}_seed{seed}.run", cfg, temperatures=plan.temperatures, gamma=plan.gamma, chunk_positions=plan.chunk_positions, save_head=head,
             verbose=plan.verbose, meta={"condition": "head", "objective": "ce", "seed": seed}, ranks=plan.ranks,
             keep_checkpoint=plan.keep_checkpoints)
     mark_done(head)
     return head
 
 
-def run_study(plan: StudyPlan, batch_statistics) -> dict:
+def run_study(plan: StudyPlan) -> dict:
     """Every planned run not yet finished, with progress and ETA; returns ``{(c, seed, objective): record}``."""
     check_plan(plan)
     check_ranks(plan)
@@ -197,12 +196,12 @@ def run_study(plan: StudyPlan, batch_statistics) -> dict:
         folder = run_folder(plan, condition, objective, seed)
         t0 = time.time()
         fresh = condition == "fresh"
-        init = None if fresh else existing_head(plan, seed, batch_statistics)
+        init = None if fresh else existing_head(plan, seed)
         cfg = train_config(plan, loss=objective, seed=seed, steps=plan.steps, lr=plan.lr if fresh else plan.ft_lr,
                            data_seed=seed if fresh else seed + 1, init_checkpoint=init,
                            curve_interval=max(1, plan.steps // plan.curve_points), folder=folder)
         head = head_path(plan, seed) if fresh and objective == "ce" and shares_fresh_ce(plan) else None
-        record = run_one(folder, cfg, batch_statistics, temperatures=plan.temperatures, gamma=plan.gamma,
+        record = run_one(folder, cfg, temperatures=plan.temperatures, gamma=plan.gamma,
                          chunk_positions=plan.chunk_positions, verbose=plan.verbose, save_head=head,
                          meta={"condition": condition, "objective": objective, "seed": seed}, ranks=plan.ranks,
                          keep_checkpoint=plan.keep_checkpoints)

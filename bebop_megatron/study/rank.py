@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc_per_node N -m bebop_megatron.study.rank RUN/launch.json
 
 :func:`bebop_megatron.study.runs.launch_run` writes ``launch.json`` (the run's folder, its config
-file and overrides, where ``batch_statistics`` lives, the evaluation's settings) and starts the
+file and overrides, the evaluation's settings) and starts the
 processes; each loads the config (``parallel.tensor=N``) and runs
 :func:`bebop_megatron.study.runs.train_and_evaluate`, rank 0 writing the folder's files and the
 log lines. Errors are :func:`bebop_megatron.cli.run_cli`'s one ``error:`` line; a process whose
@@ -12,21 +12,10 @@ launcher is gone stops (:func:`bebop_megatron.launcher.watch_launcher`).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
-
-
-def load_function(path: str, name: str):
-    """``name`` of the Python file ``path`` (the study passes ``tools/eval_acceptance.py``'s
-    ``micro_batch_statistics``: the package does not import the tools)."""
-    spec = importlib.util.spec_from_file_location(f"_study_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return getattr(module, name)
 
 
 def main(argv: list[str]) -> None:
@@ -39,8 +28,7 @@ def main(argv: list[str]) -> None:
     else:
         mute()
     cfg = RunConfig(spec["config_file"], spec["overrides"]).load()
-    train_and_evaluate(Path(spec["folder"]), cfg, load_function(*spec["batch_statistics"]),
-                       temperatures=tuple(spec["temperatures"]), gamma=spec["gamma"],
+    train_and_evaluate(Path(spec["folder"]), cfg, temperatures=tuple(spec["temperatures"]), gamma=spec["gamma"],
                        chunk_positions=spec["chunk_positions"],
                        save_head=None if spec["save_head"] is None else Path(spec["save_head"]),
                        verbose=spec["verbose"], meta=spec["meta"], keep_checkpoint=spec["keep_checkpoint"])

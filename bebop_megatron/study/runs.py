@@ -6,8 +6,8 @@ with the decode-exact E[L]) and ``rows.npz`` (per temperature: the per-position 
 the text of every position and the decode-exact sums per text) into its folder; a folder with
 ``record.json`` is a finished run and is skipped when the study is run again.
 
-The held-out statistics are those of ``tools/eval_acceptance.py`` (its ``micro_batch_statistics``,
-passed in as ``batch_statistics``: the package does not import the tools).
+The held-out statistics are those of ``tools/eval_acceptance.py``
+(:func:`bebop_megatron.evaluate.statistics.micro_batch_statistics`).
 
 With ``ranks`` > 1 (``--ranks N``: tensor parallel N) a run is ``N`` processes of its own, started
 with torchrun (:func:`launch_run`, :mod:`bebop_megatron.study.rank`): the training and the
@@ -87,7 +87,7 @@ def train_config(plan, *, loss: str, seed: int, steps: int, lr: float, data_seed
     return RunConfig(str(plan.meg / "bebop_model.yaml"), [*overrides, *plan.overrides])
 
 
-def held_out_rows(trainer, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
+def held_out_rows(trainer, *, temperatures, gamma: int, chunk_positions: int,
                   micro_batch_size: int) -> dict:
     """Every held-out row's statistics at each temperature: ``{tau key: {"chain", "alpha_rs",
     "alpha_to", "entropy_target": [K, N], "text": [N], "decode_rs": [n, 2], "decode_to": [n, 2]}}``.
@@ -100,6 +100,7 @@ def held_out_rows(trainer, batch_statistics, *, temperatures, gamma: int, chunk_
     from megatron.core import parallel_state
 
     from bebop_megatron.data import eval_batches
+    from bebop_megatron.evaluate.statistics import micro_batch_statistics
     from bebop_megatron.metrics.report import DECODE_MODES, AcceptanceReport
     from bebop_megatron.training.loss import chain_valid
 
@@ -129,9 +130,9 @@ def held_out_rows(trainer, batch_statistics, *, temperatures, gamma: int, chunk_
                 texts.append(np.asarray([index[(b, int(seg[b, s]))] for s, b in zip(s_idx.tolist(), b_idx.tolist())],
                                         dtype=np.int64))
                 num_texts += len(index)
-                batch_statistics(model, batch, report, opts, K=K,
-                                 tp_group=parallel_state.get_tensor_model_parallel_group(), sim_budget=0,
-                                 generator=None, device=trainer._comm_device, vocab_size=cfg.model.vocab_size)
+                micro_batch_statistics(model, batch, report, opts, K=K,
+                                       tp_group=parallel_state.get_tensor_model_parallel_group(), sim_budget=0,
+                                       generator=None, device=trainer._comm_device, vocab_size=cfg.model.vocab_size)
     model.train(was_training)
     text = np.concatenate(texts) if texts else np.zeros(0, dtype=np.int64)
     out = {}
@@ -205,7 +206,7 @@ def curve_of(metrics_file: Path, trainer, tokens_per_step: int, *, K: int) -> li
     return [by_step[s] for s in sorted(by_step)]
 
 
-def run_one(folder: Path, run: RunConfig, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
+def run_one(folder: Path, run: RunConfig, *, temperatures, gamma: int, chunk_positions: int,
             save_head: Path | None = None, verbose: bool = False, meta: dict | None = None, ranks: int = 1,
             keep_checkpoint: bool = False) -> dict:
     """Train one run, evaluate it, write its folder (``record.json`` last); returns its record.
@@ -213,11 +214,11 @@ def run_one(folder: Path, run: RunConfig, batch_statistics, *, temperatures, gam
     kwargs = dict(temperatures=temperatures, gamma=gamma, chunk_positions=chunk_positions, save_head=save_head,
                   verbose=verbose, meta=meta, keep_checkpoint=keep_checkpoint)
     if ranks > 1:
-        return launch_run(folder, run, batch_statistics, ranks=ranks, **kwargs)
-    return train_and_evaluate(folder, run.load(), batch_statistics, **kwargs)
+        return launch_run(folder, run, ranks=ranks, **kwargs)
+    return train_and_evaluate(folder, run.load(), **kwargs)
 
 
-def launch_run(folder: Path, run: RunConfig, batch_statistics, *, ranks: int, temperatures, gamma: int,
+def launch_run(folder: Path, run: RunConfig, *, ranks: int, temperatures, gamma: int,
                chunk_positions: int, save_head: Path | None, verbose: bool, meta: dict | None,
                keep_checkpoint: bool = False) -> dict:
     """The run in ``ranks`` processes (torchrun, ``--standalone``): its settings go to
@@ -228,8 +229,6 @@ def launch_run(folder: Path, run: RunConfig, batch_statistics, *, ranks: int, te
     log to read."""
     folder.mkdir(parents=True, exist_ok=True)
     spec = {"folder": str(folder), "config_file": run.file, "overrides": list(run.overrides),
-            "batch_statistics": [os.path.abspath(sys.modules[batch_statistics.__module__].__file__),
-                                 batch_statistics.__name__],
             "temperatures": list(temperatures), "gamma": gamma, "chunk_positions": chunk_positions,
             "save_head": None if save_head is None else str(save_head), "verbose": verbose, "meta": meta,
             "keep_checkpoint": keep_checkpoint,
@@ -280,7 +279,7 @@ def _wait_forwarding_signals(proc: subprocess.Popen) -> tuple[int, int | None]:
     return code, (received[0] if received else None)
 
 
-def train_and_evaluate(folder: Path, cfg, batch_statistics, *, temperatures, gamma: int, chunk_positions: int,
+def train_and_evaluate(folder: Path, cfg, *, temperatures, gamma: int, chunk_positions: int,
                        save_head: Path | None = None, verbose: bool = False, meta: dict | None = None,
                        keep_checkpoint: bool = False) -> dict:
     """The run itself, in this process, alone or as one rank of the run's processes: the trainer,
@@ -316,7 +315,7 @@ def train_and_evaluate(folder: Path, cfg, batch_statistics, *, temperatures, gam
     history = trainer.train()
     train_s = time.time() - t1
     t2 = time.time()
-    rows = held_out_rows(trainer, batch_statistics, temperatures=temperatures, gamma=gamma,
+    rows = held_out_rows(trainer, temperatures=temperatures, gamma=gamma,
                          chunk_positions=chunk_positions, micro_batch_size=cfg.train.micro_batch_size)
     eval_s = time.time() - t2
     if save_head is not None:

@@ -13,14 +13,14 @@ batches. Writes ``{errors, count}`` as JSON.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "eval_acceptance.py"
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def main() -> None:
@@ -29,14 +29,17 @@ def main() -> None:
     parser.add_argument("--data", required=True)
     parser.add_argument("--out", required=True)
     cli = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("eval_acceptance", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    sys.path.insert(0, str(TOOLS))  # the tool's own argument parsing
+    import eval_acceptance as tool
+
 
     from megatron.core import parallel_state
 
     from bebop_megatron.config import LossConfig
     from bebop_megatron.data import attention_mask, build_valid_dataset, make_batch
+    from bebop_megatron.evaluate.options import resolve_checkpoint
+    from bebop_megatron.evaluate.run import eval_config
+    from bebop_megatron.evaluate.statistics import micro_batch_statistics
     from bebop_megatron.metrics.report import SUM_KEYS, AcceptanceReport
     from bebop_megatron.platform import init_distributed
     from bebop_megatron.training.loss import STAT_ROWS, mtp_loss
@@ -45,9 +48,9 @@ def main() -> None:
 
     args = tool.parse_args(["--checkpoint", cli.checkpoint, "--data", cli.data, "--device", "cpu",
                             "--chunk-positions", "50"])
-    path = tool.resolve_checkpoint(args.checkpoint)
+    path = resolve_checkpoint(args.checkpoint)
     _, world = init_distributed("cpu")
-    cfg = tool.eval_config(path, args, world, "cpu")
+    cfg = eval_config(path, args, world, "cpu")
     setup_parallel(cfg, world)
     K = cfg.mtp.num_steps
     model = load_trained_model(cfg, path, "cpu")
@@ -57,9 +60,9 @@ def main() -> None:
     want = torch.zeros(len(STAT_ROWS), K, dtype=torch.float64)
     for first in (0, 4):
         batch = make_batch(dataset, list(range(first, first + 4)))
-        tool.micro_batch_statistics(model, batch, report, SimpleNamespace(chunk_positions=50, sim_trials=1), K=K,
-                                    tp_group=tp_group, sim_budget=0, generator=None, device=torch.device("cpu"),
-                                    vocab_size=cfg.model.vocab_size)
+        micro_batch_statistics(model, batch, report, SimpleNamespace(chunk_positions=50, sim_trials=1), K=K,
+                               tp_group=tp_group, sim_budget=0, generator=None, device=torch.device("cpu"),
+                               vocab_size=cfg.model.vocab_size)
         mask = attention_mask(batch.segment_ids)
         with torch.no_grad():
             hidden = model(batch.tokens, batch.position_ids, mask)
