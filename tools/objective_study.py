@@ -1,6 +1,6 @@
 """Which objective trains the best MTP head on your model? Seeds, intervals over responses, decode-exact E[L].
 
-    # a model by its registry name (benchmarks/real_model/models.py) or an HF folder, prompts
+    # a model by its registry name (bebop_megatron/hub.py) or an HF folder, prompts
     # (one JSONL file, or a folder of train.jsonl and heldout.jsonl): the model's own answers at T=1
     # are the data; 5 objectives x 3 seeds x 40k tokens, fresh heads
     python tools/objective_study.py --model smollm2-135m --prompts PROMPTS --work WORK \\
@@ -35,11 +35,9 @@ retrained when needed. See docs/study.md.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
 OBJECTIVES = "ce,kl,e2e_tv,e2e_nla,e2e_lk"
 
 
@@ -47,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("the model (--model or --hf-dir, --megatron, or --megatron with either)")
-    m.add_argument("--model", help="a registry name of benchmarks/real_model/models.py (fetched and dequantized "
+    m.add_argument("--model", help="a registry name of bebop_megatron/hub.py (fetched and dequantized "
                                    "into $BEBOP_CACHE/NAME/hf when missing)")
     m.add_argument("--hf-dir", help="a Hugging Face model folder (any family tools/convert_from_hf.py handles)")
     m.add_argument("--megatron", help="an import of tools/convert_from_hf.py (its MTP layers for --existing import); "
@@ -156,44 +154,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def registry_model(name: str) -> Path:
-    """The HF folder of a registry model: ``$BEBOP_CACHE/NAME/hf``, fetched and dequantized when missing."""
-    from bebop_megatron.study.log import StudyError, log
-    from bebop_megatron.study.stages import is_done, mark_done
-
-    models = _load("models", REPO / "benchmarks" / "real_model" / "models.py")
-    if name not in models.MODELS:
-        raise StudyError(f"--model {name!r}: not in the registry ({', '.join(models.MODELS)}); or give --hf-dir")
-    spec = models.MODELS[name]
-    cache = models.cache_root() / spec.name
-    hf = cache / "hf"
-    if not is_done(hf):
-        try:
-            models.dequantize(models.fetch_gguf(spec, cache, log=log), hf, spec.hf_class, log=log)
-        except models.ModelError as err:
-            raise StudyError(str(err)) from None
-        mark_done(hf)
-    return hf
-
-
-def model_folder(args) -> Path | None:
-    """The HF folder of --model or --hf-dir (None: neither)."""
-    from bebop_megatron.study.log import StudyError
-
-    hf = registry_model(args.model) if args.model else Path(args.hf_dir) if args.hf_dir else None
-    if hf is not None and not (hf / "config.json").is_file():
-        raise StudyError(f"{hf}: no config.json (not a Hugging Face model folder)")
-    return hf
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     import time
@@ -201,7 +161,8 @@ def main(argv=None) -> None:
     from bebop_megatron.study.driver import StudyPlan, check_plan, check_ranks, run_study
     from bebop_megatron.study.log import StudyError, log, set_log_file
     from bebop_megatron.study.report import write_report
-    from bebop_megatron.study.stages import prompt_sets, stage_import, stage_responses, stage_tokenize
+    from bebop_megatron.study.stages import (model_folder, prompt_sets, stage_import, stage_responses,
+                                             stage_tokenize)
 
     work = Path(args.work).resolve()
     if args.pack is not None:
@@ -234,13 +195,13 @@ def main(argv=None) -> None:
     if args.unpack is not None:  # before the stages: they then skip what the pack holds
         from bebop_megatron.study.pack import unpack
 
-        hf = model_folder(args)
+        hf = model_folder(args.model, args.hf_dir)
         sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout) if args.prompts else None
         unpack(work, Path(args.unpack).resolve(), sets=sets, hf=hf)
     if args.report_only:
         write_report(plan, num_boot=args.num_boot)
         return
-    hf = hf or model_folder(args)
+    hf = hf or model_folder(args.model, args.hf_dir)
     plan.meg = Path(args.megatron).resolve() if args.megatron else stage_import(hf, work,
                                                                                  mtp_num_steps=args.mtp_num_steps)
     if args.megatron and hf is not None:
@@ -260,16 +221,18 @@ def main(argv=None) -> None:
         plan.info["responses"] = gen
     else:
         plan.train_files, plan.valid_files = split(args.train_data), split(args.heldout_data)
-    sys.path.insert(0, str(REPO / "tools"))
-    from eval_acceptance import micro_batch_statistics
-
-    run_study(plan, micro_batch_statistics)
+    run_study(plan)
     write_report(plan, num_boot=args.num_boot)
     log(f"study done in {time.time() - t0:.0f} s; report in {out}")
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
+def cli(argv: list[str] | None = None) -> None:
+    """The command line (console script ``bebop-objective-study``)."""
+    argv = sys.argv[1:] if argv is None else argv
     from bebop_megatron.cli import run_cli
 
-    run_cli(lambda: main(sys.argv[1:]))
+    run_cli(lambda: main(argv))
+
+
+if __name__ == "__main__":
+    cli()

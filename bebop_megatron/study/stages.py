@@ -24,6 +24,33 @@ def mark_done(path: Path) -> None:
     (path / DONE).write_text("ok\n")
 
 
+def registry_model(name: str) -> Path:
+    """The HF folder of a registry model (:data:`bebop_megatron.hub.MODELS`): ``$BEBOP_CACHE/NAME/hf``,
+    fetched and dequantized when missing."""
+    from bebop_megatron import hub
+
+    if name not in hub.MODELS:
+        raise StudyError(f"--model {name!r}: not in the registry ({', '.join(hub.MODELS)}); or give --hf-dir")
+    spec = hub.MODELS[name]
+    cache = hub.cache_root() / spec.name
+    hf = cache / "hf"
+    if not is_done(hf):
+        try:
+            hub.dequantize(hub.fetch_gguf(spec, cache, log=log), hf, spec.hf_class, log=log)
+        except hub.ModelError as err:
+            raise StudyError(str(err)) from None
+        mark_done(hf)
+    return hf
+
+
+def model_folder(model: str | None, hf_dir: str | None) -> Path | None:
+    """The HF folder of ``--model`` (a registry name) or ``--hf-dir`` (None: neither)."""
+    hf = registry_model(model) if model else Path(hf_dir) if hf_dir else None
+    if hf is not None and not (hf / "config.json").is_file():
+        raise StudyError(f"{hf}: no config.json (not a Hugging Face model folder)")
+    return hf
+
+
 def stage_import(hf: Path, work: Path, *, mtp_num_steps: int = 3) -> Path:
     """``tools/convert_from_hf.py``'s import of ``hf`` into ``work/megatron`` (any family it handles)."""
     from bebop_megatron.convert.importer import convert_from_hf

@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent / "real_model"))
 
-import models  # noqa: E402
+from bebop_megatron import hub as models  # noqa: E402  (the model registry)
 
 SPEC = models.SMOLLM2
 CARRY = (REPO / ".gpu_carry1", REPO / ".gpu_carry2")  # what call 1 and call 2 take along (ignored by git)

