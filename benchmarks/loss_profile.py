@@ -19,7 +19,7 @@ from __future__ import annotations
 
 GROUPS = ("gemm", "triton", "reduce", "elementwise")
 _GEMM = ("gemm", "matmul", "addmm", "bmm", "aten::mm", "cutlass", "nvjet", "xmma", "sm90_", "cublas")
-_TRITON = ("_kernel",)  # the Triton kernels' names end in _kernel (e.g. _parts_kernel)
+_TRITON = ("_kernel",)  # the Triton kernels' names end in _kernel (e.g. parts_kernel)
 _REDUCE = ("max", "sum", "logsumexp", "softmax", "reduce", "amax", "norm")
 
 

@@ -130,11 +130,11 @@ def _specialisations(kt):
     for inp, comp, ones in (("bf16", "fp32", {}), ("fp64", "fp64", {}), ("bf16", "fp32", _ONES)):
         full = inp != "fp64" and not ones
         for with_arg in (False, True) if full else (True,):
-            yield kt._softmax_stats_kernel, {"WITH_ARG": with_arg}, inp, comp, ones
+            yield kt.softmax_stats_kernel, {"WITH_ARG": with_arg}, inp, comp, ones
         for kind in range(3) if full else (2,):
             for with_stats in (False, True) if full else (True,):
-                yield kt._parts_kernel, {"KIND": kind, "WITH_STATS": with_stats}, inp, comp, ones
-            yield kt._grad_kernel, {"KIND": kind}, inp, comp, ones
+                yield kt.parts_kernel, {"KIND": kind, "WITH_STATS": with_stats}, inp, comp, ones
+            yield kt.grad_kernel, {"KIND": kind}, inp, comp, ones
 
 
 def test_kernels_compile_for_sm90():

@@ -82,8 +82,8 @@ def test_tv_kl_kernels_compile_for_sm90():
     kt = _compiled_kernels()
     from bebop_megatron.losses.kernel_triton_jit import TV_KL, TV_KL_SUM
 
-    launches = [(kt._parts_kernel, {"KIND": TV_KL, "WITH_STATS": stats}) for stats in (False, True)]
-    launches += [(kt._grad_kernel, {"KIND": kind}) for kind in (TV_KL, TV_KL_SUM)]
+    launches = [(kt.parts_kernel, {"KIND": TV_KL, "WITH_STATS": stats}) for stats in (False, True)]
+    launches += [(kt.grad_kernel, {"KIND": kind}) for kind in (TV_KL, TV_KL_SUM)]
     for inp, comp in (("bf16", "fp32"), ("fp32", "fp32"), ("fp64", "fp64")):
         for kernel, constexprs in launches:
             compile_sm90(kt, kernel, constexprs, inp, comp)

@@ -83,11 +83,11 @@ def load(path: str, model, keep) -> None:
     """Load the tensors whose names satisfy ``keep`` (all must be present)."""
     from megatron.core import dist_checkpointing
 
-    from bebop_megatron.training.model_weights import _filtered_sharded_state_dict, _load_into
+    from bebop_megatron.training.model_weights import filtered_sharded_state_dict, load_into
 
-    sd = _filtered_sharded_state_dict(model, keep)
+    sd = filtered_sharded_state_dict(model, keep)
     loaded = dist_checkpointing.load({"model": sd}, path)["model"]
-    _load_into(model, loaded, keep)
+    load_into(model, loaded, keep)
 
 
 def save(path: str, model) -> None:

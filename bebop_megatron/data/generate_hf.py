@@ -66,7 +66,7 @@ class _RowSampler(LogitsProcessor):
         return choice_BV.scatter_(1, tokens_B.unsqueeze(1), 0.0)
 
 
-def _resolve(device: str, dtype: str) -> tuple[str, torch.dtype]:
+def resolve_device_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -156,7 +156,7 @@ class HFBackend(ChatPrompts):
             raise ValueError(f"--hf-dir {hf_dir}: not a directory")
         if threads:
             torch.set_num_threads(threads)
-        self.device, torch_dtype = _resolve(device, dtype)
+        self.device, torch_dtype = resolve_device_dtype(device, dtype)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
             self.model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch_dtype)

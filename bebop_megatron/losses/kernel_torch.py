@@ -59,7 +59,7 @@ class Workspace:
         return buf[:numel].view(like.shape)
 
 
-def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+def all_reduce_(t: torch.Tensor, op, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
@@ -140,10 +140,10 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
     else:
         local_max_q = draft_RV.amax(dim=-1)
     maxes = torch.stack([local_max_q.to(dtype), target_RV.amax(dim=-1).to(dtype)])
-    max_q, max_p = _all_reduce(maxes, dist.ReduceOp.MAX, tp_group).unbind(0)
+    max_q, max_p = all_reduce_(maxes, dist.ReduceOp.MAX, tp_group).unbind(0)
     logq, logp, q, p = _probs(draft_RV, target_RV, max_q, max_p, target_temperature=target_temperature,
                               draft_temperature=draft_temperature, ws=ws, dtype=dtype)
-    sumexp_q, sumexp_p = _all_reduce(torch.stack([q.sum(-1), p.sum(-1)]), dist.ReduceOp.SUM, tp_group).unbind(0)
+    sumexp_q, sumexp_p = all_reduce_(torch.stack([q.sum(-1), p.sum(-1)]), dist.ReduceOp.SUM, tp_group).unbind(0)
     q.div_(sumexp_q[..., None])
     p.div_(sumexp_p[..., None])
     need_logs = kind != "tv" or with_stats
@@ -174,12 +174,12 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
         num_local = draft_RV.shape[-1]
         start = num_local * (dist.get_rank(tp_group) if tp_group is not None else 0)
         index = torch.where(local_max_q.to(dtype) == max_q, local_arg_q + start, torch.iinfo(torch.long).max)
-        index = _all_reduce(index, dist.ReduceOp.MIN, tp_group)
+        index = all_reduce_(index, dist.ReduceOp.MIN, tp_group)
         mine = (index >= start) & (index < start + num_local)
         p_at = p.gather(-1, (index - start).clamp_(0, num_local - 1)[..., None]).squeeze(-1)
         parts["alpha_to"] = torch.where(mine, p_at, 0.0)
     names = list(parts)
-    sums = dict(zip(names, _all_reduce(torch.stack([parts[n] for n in names]), dist.ReduceOp.SUM, tp_group)))
+    sums = dict(zip(names, all_reduce_(torch.stack([parts[n] for n in names]), dist.ReduceOp.SUM, tp_group)))
 
     if kind == TV_KL:
         value = torch.stack([sums["tv"], sums["kl"]])

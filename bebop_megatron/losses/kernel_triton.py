@@ -50,22 +50,22 @@ from bebop_megatron.losses.kernel_torch import (
     TV_KL,
     RowResult,
     Workspace,
-    _all_reduce,
+    all_reduce_,
     compute_dtype,
 )
 from bebop_megatron.losses.kernel_triton_jit import TV_KL as _TV_KL_ID
 from bebop_megatron.losses.kernel_triton_jit import (  # the kernels stay reachable here (tests compile them)
     TV_KL_SUM,
-    _HP,
-    _HQ,
-    _KL,
-    _NUM_PARTS,
-    _RKL,
-    _S,
-    _TV,
-    _grad_kernel,
-    _parts_kernel,
-    _softmax_stats_kernel,
+    SLOT_HP,
+    SLOT_HQ,
+    SLOT_KL,
+    NUM_SLOTS,
+    SLOT_RKL,
+    SLOT_S,
+    SLOT_TV,
+    grad_kernel,
+    parts_kernel,
+    softmax_stats_kernel,
 )
 
 # Tuning knobs (module attributes so tests can shrink them): the widest tile, and the
@@ -80,7 +80,7 @@ _NO_INDEX = torch.iinfo(torch.long).max
 
 
 def _interpreted() -> bool:
-    return not isinstance(_grad_kernel, triton.runtime.JITFunction)
+    return not isinstance(grad_kernel, triton.runtime.JITFunction)
 
 
 def _check(draft_RV: torch.Tensor, target_RV: torch.Tensor, kind: str) -> None:
@@ -148,7 +148,7 @@ def _grad(draft2, target2, temps, saved_CR, scale_R, kind_id, tiles: _Tiles, out
         return
     stride_c = scale_R.stride(0) if scale_R.dim() == 2 else 0
     with _on(draft2.device):
-        _grad_kernel[(R, tiles.num_tiles)](
+        grad_kernel[(R, tiles.num_tiles)](
             draft2, target2, temps, saved_CR, saved_CR.stride(0), scale_R, stride_c, out2,
             out2 if out_kl2 is None else out_kl2, V, draft2.stride(0), target2.stride(0), out2.stride(0),
             BLOCK_V=tiles.block, KIND=kind_id, num_warps=tiles.num_warps,
@@ -175,12 +175,12 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
     arg_RS = torch.empty((R, S), dtype=torch.long, device=device) if with_stats else max_2RS
     if R > 0:
         with _on(device):
-            _softmax_stats_kernel[(R, S)](
+            softmax_stats_kernel[(R, S)](
                 draft2, target2, temps, max_2RS, sumexp_2RS, arg_RS, R, V, draft2.stride(0), target2.stride(0),
                 tiles.tiles_per_split, BLOCK_V=tiles.block, WITH_ARG=with_stats, num_warps=tiles.num_warps,
             )
     local_max_2R = max_2RS.amax(-1)
-    max_2R = _all_reduce(local_max_2R.clone(), dist.ReduceOp.MAX, tp_group)
+    max_2R = all_reduce_(local_max_2R.clone(), dist.ReduceOp.MAX, tp_group)
     sharded = tp_group is not None and dist.get_world_size(tp_group) > 1
     if S == 1 and not sharded:
         sumexp_2R = sumexp_2RS[..., 0]
@@ -189,17 +189,17 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
         shift_2RS[0].div_(draft_temperature)
         shift_2RS[1].div_(target_temperature)
         factor_2RS = torch.where(max_2RS == -math.inf, 0.0, shift_2RS.exp_())
-        sumexp_2R = _all_reduce((sumexp_2RS * factor_2RS).sum(-1), dist.ReduceOp.SUM, tp_group)
+        sumexp_2R = all_reduce_((sumexp_2RS * factor_2RS).sum(-1), dist.ReduceOp.SUM, tp_group)
     saved = torch.empty((len(SAVED_ROWS), R), dtype=dtype, device=device)
     saved[:4].view(2, 2, R)[:, 0] = max_2R  # rows max_q, sumexp_q, max_p, sumexp_p
     saved[:4].view(2, 2, R)[:, 1] = sumexp_2R
     max_q, max_p = max_2R
 
     # Kernel B: per-split partial sums, then summed over splits and ranks.
-    parts_6RS = torch.empty((_NUM_PARTS, R, S), dtype=dtype, device=device)
+    parts_6RS = torch.empty((NUM_SLOTS, R, S), dtype=dtype, device=device)
     if R > 0:
         with _on(device):
-            _parts_kernel[(R, S)](
+            parts_kernel[(R, S)](
                 draft2, target2, temps, saved, saved.stride(0), parts_6RS, R, V, draft2.stride(0),
                 target2.stride(0), tiles.tiles_per_split, BLOCK_V=tiles.block, KIND=kind_id,
                 WITH_STATS=with_stats, num_warps=tiles.num_warps,
@@ -208,23 +208,23 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
     parts: dict[str, torch.Tensor] = {}
     with_tv = kind in ("tv", TV_KL)
     if with_tv or with_stats:
-        parts["tv"] = parts_6R[_TV]
+        parts["tv"] = parts_6R[SLOT_TV]
     if with_tv:
-        parts["aux"] = parts_6R[_S]
+        parts["aux"] = parts_6R[SLOT_S]
     if kind in ("kl", TV_KL) or with_stats:
-        parts["kl"] = parts_6R[_KL]
+        parts["kl"] = parts_6R[SLOT_KL]
     if kind == "reverse_kl":
-        parts["reverse_kl"] = parts["aux"] = parts_6R[_RKL]
+        parts["reverse_kl"] = parts["aux"] = parts_6R[SLOT_RKL]
     index = None
     if with_stats:
-        parts["entropy_target"] = parts_6R[_HP]
-        parts["entropy_draft"] = parts_6R[_HQ]
+        parts["entropy_target"] = parts_6R[SLOT_HP]
+        parts["entropy_draft"] = parts_6R[SLOT_HQ]
         # Vocabulary-parallel argmax of q: lowest global index among the splits and ranks holding the max.
         local_max_q = local_max_2R[0]
         local_arg = torch.where(max_2RS[0] == local_max_q[:, None], arg_RS, _NO_INDEX).amin(-1)
         start = V * (dist.get_rank(tp_group) if tp_group is not None else 0)
         index = torch.where(local_max_q == max_q, local_arg + start, _NO_INDEX)
-        index = _all_reduce(index, dist.ReduceOp.MIN, tp_group)
+        index = all_reduce_(index, dist.ReduceOp.MIN, tp_group)
         mine = (index >= start) & (index < start + V)
         logit = target2.gather(-1, (index - start).clamp_(0, max(V - 1, 0))[:, None]).squeeze(-1).to(dtype)
         shifted = logit - max_p
@@ -232,7 +232,7 @@ def forward_rows(draft_RV, target_RV, *, kind, target_temperature, draft_tempera
             shifted = shifted.div_(target_temperature)
         parts["alpha_to"] = torch.where(mine, shifted.exp_().div_(sumexp_2R[1]), 0.0)
     names = list(parts)
-    sums = dict(zip(names, _all_reduce(torch.stack([parts[n] for n in names]), dist.ReduceOp.SUM, tp_group)))
+    sums = dict(zip(names, all_reduce_(torch.stack([parts[n] for n in names]), dist.ReduceOp.SUM, tp_group)))
 
     if kind == TV_KL:
         value = torch.stack([sums["tv"], sums["kl"]])

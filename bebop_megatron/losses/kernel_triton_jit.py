@@ -2,16 +2,16 @@
 
 Three kernels, each program looping over BLOCK-wide tiles of one row's columns:
 
-- A ``_softmax_stats_kernel`` (grid ``R x S``): online max and sum-exp of q (draft logits /
+- A ``softmax_stats_kernel`` (grid ``R x S``): online max and sum-exp of q (draft logits /
   draft_temperature) and p (target logits / target_temperature) over the split, and (with
   stats) the first maximal draft logit's index. As in kernel_torch the max is that of the
   *unscaled* logits and the sum is of ``exp((logits - max) / temperature)``, so the saved
   rows of the two implementations are interchangeable.
-- B ``_parts_kernel`` (grid ``R x S``): with the row's global max and sum-exp, the partial
+- B ``parts_kernel`` (grid ``R x S``): with the row's global max and sum-exp, the partial
   sums over the split: d_TV = sum |p - q| / 2, S = sum q 1[q <= p] (ties count as "<="),
   KL(p||q), KL(q||p), H(p), H(q), as ``kind`` and ``with_stats`` need (0 log 0 = 0).
   Kind tv_kl: d_TV, S and KL(p||q) from the same p and q of each tile.
-- C ``_grad_kernel`` (grid ``R x tiles``): ``scale_R`` x d value / d draft logits per
+- C ``grad_kernel`` (grid ``R x tiles``): ``scale_R`` x d value / d draft logits per
   element (Eq. 11 for TV: S q_j - q_j 1[q_j <= p_j]; q - p for kl;
   q_j [log(q_j / p_j) - KL(q||p)] for reverse_kl; times scale = 1 / draft_temperature in
   the forward), into a compute-dtype workspace view. B and C compute p and q with the same
@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 # B's partial sums, one slot each (B writes all of them; unused ones are 0).
-_TV, _S, _KL, _RKL, _HP, _HQ = range(6)
-_NUM_PARTS = 6
+SLOT_TV, SLOT_S, SLOT_KL, SLOT_RKL, SLOT_HP, SLOT_HQ = range(6)
+NUM_SLOTS = 6
 TV_KL = 3  # kind id of tv_kl (B, and C with two outputs: the forward's TV and KL directions)
 TV_KL_SUM = 4  # C only: scale_tv x TV direction + scale_kl x KL direction in one output (the backward)
 
@@ -51,8 +51,8 @@ def _probs(draft_ptr, target_ptr, cols, mask, max_q, sumexp_q, max_p, sumexp_p, 
 
 
 @triton.jit
-def _softmax_stats_kernel(draft_ptr, target_ptr, temps_ptr, max_ptr, sumexp_ptr, arg_ptr, R, V,
-                          stride_d, stride_t, tiles_per_split, BLOCK_V: tl.constexpr, WITH_ARG: tl.constexpr):
+def softmax_stats_kernel(draft_ptr, target_ptr, temps_ptr, max_ptr, sumexp_ptr, arg_ptr, R, V,
+                         stride_d, stride_t, tiles_per_split, BLOCK_V: tl.constexpr, WITH_ARG: tl.constexpr):
     """Kernel A: per (row, split), max of the unscaled logits and sum exp((x - max) / T) of
     q and p, and (WITH_ARG) the first index of the draft's max; outputs ``[2, R, S]``, ``[R, S]``."""
     row = tl.program_id(0).to(tl.int64)
@@ -99,8 +99,8 @@ def _softmax_stats_kernel(draft_ptr, target_ptr, temps_ptr, max_ptr, sumexp_ptr,
 
 
 @triton.jit
-def _parts_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, parts_ptr, R, V, stride_d, stride_t,
-                  tiles_per_split, BLOCK_V: tl.constexpr, KIND: tl.constexpr, WITH_STATS: tl.constexpr):
+def parts_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, parts_ptr, R, V, stride_d, stride_t,
+                 tiles_per_split, BLOCK_V: tl.constexpr, KIND: tl.constexpr, WITH_STATS: tl.constexpr):
     """Kernel B: per (row, split), the partial sums of the six slots (``[6, R, S]``)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -157,8 +157,8 @@ def _parts_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, parts_p
 
 
 @triton.jit
-def _grad_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, scale_ptr, stride_c, out_ptr, out_kl_ptr,
-                 V, stride_d, stride_t, stride_o, BLOCK_V: tl.constexpr, KIND: tl.constexpr):
+def grad_kernel(draft_ptr, target_ptr, temps_ptr, saved_ptr, stride_s, scale_ptr, stride_c, out_ptr, out_kl_ptr,
+                V, stride_d, stride_t, stride_o, BLOCK_V: tl.constexpr, KIND: tl.constexpr):
     """Kernel C: ``scale_R`` x d value / d draft logits of one (row, tile). tv_kl: the KL
     direction's scale is ``stride_c`` past the TV one's (0: the same); ``out_kl_ptr`` (an
     output like ``out_ptr``) is written by ``TV_KL`` only."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 
-def _inverse_cdf(weights_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(weights_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
     """One index per row with probability weights / weights.sum() (weights >= 0, unnormalised)."""
     cdf_BV = weights_BV.cumsum(-1)
     index_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
@@ -43,7 +43,7 @@ def sample_drafts(draft_probs_BGV: torch.Tensor, generator: torch.Generator | No
     """``[B, G]`` tokens, token (b, i) drawn from ``draft_probs[b, i]`` (one uniform each)."""
     B, G, V = draft_probs_BGV.shape
     u = torch.rand(B * G, generator=generator, dtype=torch.float64, device=draft_probs_BGV.device)
-    return _inverse_cdf(draft_probs_BGV.reshape(B * G, V).double(), u).view(B, G)
+    return inverse_cdf(draft_probs_BGV.reshape(B * G, V).double(), u).view(B, G)
 
 
 def chain_rejection_sample(target_probs, draft_probs, draft_tokens, generator=None) -> tuple[int, int]:
@@ -69,8 +69,8 @@ def chain_rejection_sample(target_probs, draft_probs, draft_tokens, generator=No
         residual = (p[i] - q[i]).clamp_(min=0.0)
         if not residual.sum() > 0:
             residual = p[i]
-        return i, int(_inverse_cdf(residual[None], u_token)[0])
-    return G, int(_inverse_cdf(p[G][None], u_token)[0])
+        return i, int(inverse_cdf(residual[None], u_token)[0])
+    return G, int(inverse_cdf(p[G][None], u_token)[0])
 
 
 def chain_target_only(target_probs, draft_probs, generator=None) -> tuple[int, int]:
@@ -93,8 +93,8 @@ def chain_target_only(target_probs, draft_probs, generator=None) -> tuple[int, i
             continue
         rest = p[i].clone()
         rest[y] = 0.0
-        return i, int(_inverse_cdf(rest[None], u_token)[0])
-    return G, int(_inverse_cdf(p[G][None], u_token)[0])
+        return i, int(inverse_cdf(rest[None], u_token)[0])
+    return G, int(inverse_cdf(p[G][None], u_token)[0])
 
 
 def _first_rejection(accept_BG: torch.Tensor) -> torch.Tensor:
@@ -118,7 +118,7 @@ def batched_rejection_sample(target_probs, draft_probs, draft_tokens, generator=
     q_row = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, num]  # 0 for the bonus row
     residual = (p_row - q_row).clamp_(min=0.0)
     residual = torch.where((residual.sum(-1) > 0)[:, None], residual, p_row)
-    return num, _inverse_cdf(residual, u_token)
+    return num, inverse_cdf(residual, u_token)
 
 
 def batched_target_only(target_probs, draft_probs, generator=None):
@@ -134,4 +134,4 @@ def batched_target_only(target_probs, draft_probs, generator=None):
     weights = p[rows, num].clone()
     rejected = num < G
     weights[rows[rejected], y[rows[rejected], num[rejected]]] = 0.0  # p without the rejected draft
-    return num, _inverse_cdf(weights, u_token)
+    return num, inverse_cdf(weights, u_token)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bebop_megatron.speculative.chain import _inverse_cdf, chain_rejection_sample, chain_target_only
+from bebop_megatron.speculative.chain import inverse_cdf, chain_rejection_sample, chain_target_only
 
 MODES = ("rs", "to")
 
@@ -42,7 +42,7 @@ def probs_of(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def sample_token(probs_V: torch.Tensor, generator: torch.Generator) -> int:
     u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs_V.device)
-    return int(_inverse_cdf(probs_V[None], u)[0])
+    return int(inverse_cdf(probs_V[None], u)[0])
 
 
 @dataclass

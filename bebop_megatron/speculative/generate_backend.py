@@ -20,7 +20,7 @@ from typing import Iterator, Union
 import torch
 
 from bebop_megatron.data.generate import Completion, Failure, Job
-from bebop_megatron.data.generate_hf import ChatPrompts, _resolve, end_of_turn_ids, load_chat_tokenizer
+from bebop_megatron.data.generate_hf import ChatPrompts, resolve_device_dtype, end_of_turn_ids, load_chat_tokenizer
 from bebop_megatron.speculative.batched import BatchedGenerator
 
 IMPORT_RECORD = "bebop_model.yaml"
@@ -53,7 +53,7 @@ def _load_import(path: str):
 
     from bebop_megatron.convert import megatron_io
     from bebop_megatron.convert.hf_config import describe, read_config
-    from bebop_megatron.training.model_weights import _is_backbone_key
+    from bebop_megatron.training.model_weights import is_backbone_key
 
     sections = OmegaConf.to_container(OmegaConf.load(os.path.join(path, IMPORT_RECORD)))
     hf_dir = os.path.join(path, "hf")
@@ -62,7 +62,7 @@ def _load_import(path: str):
     mtp = sections.get("mtp") or {}
     cfg = megatron_io.make_config(sections["model"], mtp.get("num_layers", 1), mtp.get("num_steps", 1))
     model = megatron_io.build(cfg)
-    megatron_io.load(path, model, _is_backbone_key)
+    megatron_io.load(path, model, is_backbone_key)
     return model, describe(read_config(hf_dir)).vocab_size, hf_dir
 
 
@@ -74,7 +74,7 @@ class MegatronBackend(ChatPrompts):
                  cuda_graphs: bool = False):
         if threads:
             torch.set_num_threads(threads)
-        self.device, torch_dtype = _resolve(device, dtype)
+        self.device, torch_dtype = resolve_device_dtype(device, dtype)
         if cuda_graphs and self.device != "cuda":
             raise ValueError("--cuda-graphs needs --device cuda")
         model, vocab_size, tokenizer_dir = load_backbone(path)

@@ -35,7 +35,7 @@ from bebop_megatron.model import is_mtp_param
 from bebop_megatron.platform import torch_adam
 from bebop_megatron.platform.atomic import write_atomic
 from bebop_megatron.platform.checkpoint_writer import deferred_coordinator_errors, record_write_errors
-from bebop_megatron.training.model_weights import _filtered_sharded_state_dict, _load_into, use_in_process_write_results
+from bebop_megatron.training.model_weights import filtered_sharded_state_dict, load_into, use_in_process_write_results
 from bebop_megatron.training.model_weights import load_trained_model  # noqa: F401  (re-exported)
 from bebop_megatron.training.write_errors import CheckpointWriteError, raise_agreed_write_error, write_problem
 
@@ -148,7 +148,7 @@ def save_training_checkpoint(
     if async_saver is None:
         use_in_process_write_results()
     state = {"common": common, "rng_state": _rng_sharded_object(rank, world)}
-    model_sd = _filtered_sharded_state_dict(model, is_mtp_param)
+    model_sd = filtered_sharded_state_dict(model, is_mtp_param)
     if model_sd:
         state["model"] = model_sd
     state["optimizer"] = _same_common_state_on_all_stages(_optimizer_state(optimizer, model_sd), bool(model_sd))
@@ -282,7 +282,7 @@ def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> 
     """Load MTP weights, optimizer and (if ``restore_rng``) this rank's RNG streams."""
     rank, world = dist.get_rank(), dist.get_world_size()
     state: dict = {}
-    model_sd = _filtered_sharded_state_dict(model, is_mtp_param)
+    model_sd = filtered_sharded_state_dict(model, is_mtp_param)
     if model_sd:  # backbone-only stages have nothing to restore but the common state
         state["model"] = model_sd
         state["optimizer"] = _optimizer_state(optimizer, model_sd, is_loading=True)
@@ -290,7 +290,7 @@ def load_training_checkpoint(path: str, model, optimizer, restore_rng: bool) -> 
         state["rng_state"] = _rng_sharded_object(rank, world)
     loaded = dist_checkpointing.load(state, path)
     if model_sd:
-        _load_into(model, loaded["model"], is_mtp_param)
+        load_into(model, loaded["model"], is_mtp_param)
         current = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         _adopt_current_schedule(loaded["optimizer"], optimizer.param_groups)
         optimizer.load_state_dict(loaded["optimizer"])

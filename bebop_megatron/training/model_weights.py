@@ -45,12 +45,12 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
-def _filtered_sharded_state_dict(model, keep) -> dict:
+def filtered_sharded_state_dict(model, keep) -> dict:
     sd = _unwrap(model).sharded_state_dict(prefix="")
     return {k: v for k, v in sd.items() if keep(k)}
 
 
-def _is_backbone_key(key: str) -> bool:
+def is_backbone_key(key: str) -> bool:
     return not is_mtp_param(key)
 
 
@@ -62,11 +62,11 @@ def load_mtp_weights(path: str, model) -> None:
 
 def _load_filtered(path: str, model, keep) -> None:
     """Load the weights whose names ``keep`` accepts (collective: every rank calls it)."""
-    sd = _filtered_sharded_state_dict(model, keep)
-    _load_into(model, dist_checkpointing.load({"model": sd}, path)["model"], keep)
+    sd = filtered_sharded_state_dict(model, keep)
+    load_into(model, dist_checkpointing.load({"model": sd}, path)["model"], keep)
 
 
-def _load_into(model, state_dict: dict, keep) -> None:
+def load_into(model, state_dict: dict, keep) -> None:
     module = _unwrap(model)
     missing, unexpected = module.load_state_dict(state_dict, strict=False)
     expected = {k for k in module.state_dict().keys() if keep(k) and not k.endswith("_extra_state")}
@@ -89,7 +89,7 @@ def save_model_checkpoint(path: str, model) -> None:
         os.makedirs(path)
     dist.barrier()
     use_in_process_write_results()
-    dist_checkpointing.save({"model": _filtered_sharded_state_dict(model, lambda k: True)}, path)
+    dist_checkpointing.save({"model": filtered_sharded_state_dict(model, lambda k: True)}, path)
     dist.barrier()
 
 
@@ -97,7 +97,7 @@ def load_model_weights(path: str, model, backbone_only: bool) -> None:
     """Load the backbone (and, unless ``backbone_only``, the MTP layers) from ``path``."""
     if not os.path.isdir(path):
         raise ValueError(f"model checkpoint directory not found: {path}")
-    _load_filtered(path, model, _is_backbone_key if backbone_only else (lambda k: True))
+    _load_filtered(path, model, is_backbone_key if backbone_only else (lambda k: True))
 
 
 def load_trained_model(cfg, ckpt_path: str, device):

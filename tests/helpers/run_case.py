@@ -38,7 +38,7 @@ from bebop_megatron.model import is_mtp_param
 from megatron.core import parallel_state
 from bebop_megatron.training import Trainer
 from bebop_megatron.training.model_weights import (
-    _filtered_sharded_state_dict,
+    filtered_sharded_state_dict,
     save_model_checkpoint,
     use_in_process_write_results,
 )
@@ -51,7 +51,7 @@ VALID_KEYS = ("loss", "top1", "alpha_rs", "alpha_to", "accept_len_rs", "accept_l
 def save_mtp_grads(path: str, trainer: Trainer) -> None:
     module = trainer.model.module
     params = dict(module.named_parameters())
-    sd = {k: v for k, v in _filtered_sharded_state_dict(trainer.model, is_mtp_param).items() if k in params}
+    sd = {k: v for k, v in filtered_sharded_state_dict(trainer.model, is_mtp_param).items() if k in params}
     for name, sharded in sd.items():
         sharded.data = params[name].main_grad.detach().clone()
     if dist.get_rank() == 0:
