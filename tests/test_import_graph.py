@@ -7,6 +7,7 @@ cannot hide a cycle. Run ``python tests/test_import_graph.py`` to print the laye
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +123,63 @@ def test_graph_reader_sees_lazy_imports_and_finds_cycles():
     assert f"{PACKAGE}.config.errors" in graph[f"{PACKAGE}.config.sources"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) == []
+
+
+# ----------------------------------------------------------------------------- imports the graph can see
+
+PROJECT_ROOTS = ("bebop_megatron", "tools", "benchmarks", "tests", "examples")
+
+
+def _forbidden_in(path: Path) -> list[str]:
+    """The imports of ``path`` that :func:`import_graph` (and farm-studio) cannot see: ``sys.path``
+    edits, loads of a file by path (``spec_from_file_location``, ``runpy.run_path``) and
+    ``import_module`` / ``__import__`` of a project module; and imports of another module's
+    private name (``from bebop_megatron.x import _name``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+        if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name) \
+                and node.value.id == "sys":
+            found.append(f"{where}: sys.path")
+        elif isinstance(node, (ast.Attribute, ast.Name)) and \
+                (node.attr if isinstance(node, ast.Attribute) else node.id) in ("spec_from_file_location", "run_path"):
+            found.append(f"{where}: a load by file path")
+        elif isinstance(node, ast.Call) and node.args and \
+                (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) in ("import_module", "__import__"):
+            arg = node.args[0]
+            text = arg.value if isinstance(arg, ast.Constant) else (
+                arg.values[0].value if isinstance(arg, ast.JoinedStr) and arg.values
+                and isinstance(arg.values[0], ast.Constant) else "")
+            if isinstance(text, str) and text.split(".")[0] in PROJECT_ROOTS:
+                found.append(f"{where}: import_module of {text!r}")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE):
+            found += [f"{where}: the private name {a.name} of {node.module}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_package_and_tools_import_only_what_the_graph_sees():
+    """bebop_megatron/ and tools/ load no project file by path and edit no sys.path (the package is
+    installed: ``pip install -e .``), and import no other module's private name."""
+    files = [*sorted((ROOT / PACKAGE).rglob("*.py")), *sorted((ROOT / "tools").glob("*.py"))]
+    found = [f for path in files for f in _forbidden_in(path)]
+    assert not found, "imports the import graph cannot see: " + "; ".join(found)
+
+
+def test_forbidden_import_reader_finds_each_kind(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    planted = tmp_path / "x.py"
+    planted.write_text("import sys, importlib, importlib.util\n"
+                       "sys.path.insert(0, 'tools')\n"
+                       "importlib.util.spec_from_file_location('m', 'tools/m.py')\n"
+                       "importlib.import_module('bebop_megatron.study')\n"
+                       "importlib.import_module(f'bebop_megatron.{1}')\n"
+                       "importlib.import_module('transformers')\n"
+                       "from bebop_megatron.training.model_weights import _secret\n")
+    kinds = sorted(f.split(": ", 1)[1] for f in _forbidden_in(planted))
+    assert kinds == sorted(["sys.path", "a load by file path", "import_module of 'bebop_megatron.study'",
+                            "import_module of 'bebop_megatron.'",
+                            "the private name _secret of bebop_megatron.training.model_weights"])
 
 
 if __name__ == "__main__":
