@@ -1,6 +1,12 @@
 """bebop_megatron: MTP draft heads trained with an end-to-end TV loss on Megatron-Core."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# tools/*.py are the command-line doors; installed as the package ``bebop_tools``, each one's ``cli()``
+# is also a console script: tools/eval_acceptance.py -> bebop-eval-acceptance
+TOOLS = sorted(p.stem for p in Path(__file__).resolve().parent.joinpath("tools").glob("*.py") if p.stem != "__init__")
 
 setup(
     name="bebop_megatron",
@@ -13,7 +19,9 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.12",
-    packages=find_packages(include=["bebop_megatron", "bebop_megatron.*"]),
+    packages=[*find_packages(include=["bebop_megatron", "bebop_megatron.*"]), "bebop_tools"],
+    package_dir={"bebop_tools": "tools"},
+    entry_points={"console_scripts": [f"bebop-{name.replace('_', '-')} = bebop_tools.{name}:cli" for name in TOOLS]},
     install_requires=[
         "megatron-core>=0.19,<0.20",
         "torch>=2.6",

@@ -165,10 +165,12 @@ def test_acceptance_outside_its_range_and_negative_entropy_are_refused(tmp_path)
 
 
 def test_an_accepted_length_within_gamma_is_read():
+    from bebop_megatron.metrics.rl_drift import check_ranges
+
     tool = load_tool()
     args = tool.parse_args(["--input", "x", "--entropy-col", "H", "--accept-col", "len", "--gamma", "3"])
     table = {"step": np.arange(3.0), "entropy": np.array([0.0, 1.0, np.nan]), "len": np.array([0.0, 3.0, 2.9])}
-    tool.check_ranges(table, {"step": "step", "entropy": "H", "len": "len"}, args)  # NaN: left to --drop-missing
+    check_ranges(table, {"step": "step", "entropy": "H", "len": "len"}, args)  # NaN: left to --drop-missing
 
 def test_a_binary_file_and_a_constant_column_are_named(tmp_path):
     """(issue 26 item 22) A binary input said only "'utf-8' codec can't decode byte ..." (csv's own

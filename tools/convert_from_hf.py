@@ -57,7 +57,13 @@ def main(argv=None) -> None:
                     overwrite=args.overwrite)
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> None:
+    """The command line (console script ``bebop-convert-from-hf``)."""
+    argv = sys.argv[1:] if argv is None else argv
     from bebop_megatron.cli import run_cli
 
-    run_cli(lambda: main(sys.argv[1:]))
+    run_cli(lambda: main(argv))
+
+
+if __name__ == "__main__":
+    cli()

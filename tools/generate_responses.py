@@ -206,8 +206,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 1 if summary.num_failed else 0
 
 
-if __name__ == "__main__":
-    parse_args(sys.argv[1:])  # --help and usage errors before the library (and torch) import
+def cli(argv: list[str] | None = None) -> None:
+    """The command line (console script ``bebop-generate-responses``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parse_args(argv)  # --help and usage errors before the library (and torch) import
     from bebop_megatron.cli import run_cli
 
-    run_cli(lambda: sys.exit(main(sys.argv[1:])))
+    run_cli(lambda: sys.exit(main(argv)))
+
+
+if __name__ == "__main__":
+    cli()

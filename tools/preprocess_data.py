@@ -51,8 +51,14 @@ def main(argv=None) -> None:
                data_format=args.format)
 
 
-if __name__ == "__main__":
-    parse_args(sys.argv[1:])  # --help and usage errors before the library (and torch) import
+def cli(argv: list[str] | None = None) -> None:
+    """The command line (console script ``bebop-preprocess-data``)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parse_args(argv)  # --help and usage errors before the library (and torch) import
     from bebop_megatron.cli import run_cli
 
-    run_cli(lambda: main(sys.argv[1:]))
+    run_cli(lambda: main(argv))
+
+
+if __name__ == "__main__":
+    cli()
