@@ -13,8 +13,10 @@ The logic lives in :mod:`bebop_megatron.data.preprocess`.
 import argparse
 import sys
 
+from bebop_megatron.config.layouts import FORMATS
 
-def parse_args(argv=None) -> argparse.Namespace:
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -25,7 +27,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--input", nargs="+", required=True, metavar="FILE",
                         help="input JSONL, Parquet (pip install 'bebop_megatron[parquet]') or slime .pt files, in order")
-    parser.add_argument("--format", choices=("auto", "generic", "verl", "openrlhf", "slime"), default="auto",
+    parser.add_argument("--format", choices=FORMATS, default="auto",
                         help="layout of the records (as data.format; default auto: detected per file)")
     parser.add_argument("--output-prefix", required=True, metavar="PREFIX",
                         help="writes PREFIX.bin/.idx, PREFIX_lossmask.bin/.idx and PREFIX_meta.json")
@@ -39,7 +41,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="replace a dataset already at --output-prefix (default: refuse); an --input among "
                              "its files is refused even with it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None) -> None:

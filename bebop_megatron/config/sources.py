@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from bebop_megatron.config.errors import ConfigError
+from bebop_megatron.config.layouts import FORMATS
 
 TRAIN_ON = ("response", "all")
 ON_ERROR = ("fail", "skip")
 OVERLONG = ("truncate", "drop")
-FORMATS = ("auto", "generic", "verl", "openrlhf", "slime")  # bebop_megatron.data.records.FORMATS
 
 
 @dataclass(frozen=True)

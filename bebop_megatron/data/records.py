@@ -35,15 +35,10 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
+from bebop_megatron.config.layouts import FORMATS
+from bebop_megatron.config.layouts import LAYOUTS
 from bebop_megatron.data.errors import DataError, LineError
 
-FORMATS = ("auto", "generic", "verl", "openrlhf", "slime")
-DESCRIPTIONS = {
-    "generic": "messages / prompt-response / text / token-id records",
-    "verl": "a verl rollout dump (input/output texts)",
-    "openrlhf": "an OpenRLHF batch_inference output (input/output texts)",
-    "slime": "a slime rollout dump (tokens, response_length, loss_mask)",
-}
 RAW_PROMPT = "__raw_prompt__"
 """Set on the records of the text dumps: the prompt is a rendered text that may start with BOS."""
 KNOWN_COLUMNS = ("messages", "prompt", "response", "text", "input_ids", "prompt_ids", "response_ids", "input",
@@ -173,7 +168,7 @@ def resolve(fmt: str, first, kind: str) -> str:
 
 def describe_layout(path: str, layout: str, fmt: str) -> str:
     how = "detected" if fmt == "auto" else f"data.format={fmt}"
-    return f"{path}: {DESCRIPTIONS[layout]} ({how})"
+    return f"{path}: {LAYOUTS[layout]} ({how})"
 
 
 def location(path: str, kind: str, n: int) -> str:
