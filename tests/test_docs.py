@@ -152,3 +152,39 @@ def test_readme_quick_start_shows_the_commands_ci_runs():
     block = quick[quick.index("```bash\n") + len("```bash\n"):]
     block_lines = block[:block.index("```")].splitlines()
     assert block_lines[0] == commands[0] and block_lines[-1] == commands[1], block_lines
+
+
+# ----------------------------------------------------------------------------- the registries' names
+
+
+def _table_row(path: Path, first_cell: str) -> str:
+    rows = [line for line in path.read_text().splitlines() if line.startswith(f"| {first_cell} ")]
+    assert len(rows) == 1, f"{path.name}: one table row starting with {first_cell!r}, found {len(rows)}"
+    return rows[0]
+
+
+def test_data_formats_are_the_layout_registry():
+    """docs/configuration.md's data.format row and tools/preprocess_data.py's --format choices name
+    exactly the record layouts of bebop_megatron/config/layouts.py."""
+    import importlib.util
+
+    from bebop_megatron.config.layouts import FORMATS
+
+    row = _table_row(REPO / "docs" / "configuration.md", "`data.format`")
+    named = [name for name in re.findall(r"`([a-z_]+)`", row.split("|")[2]) if name in FORMATS]
+    assert sorted(set(named)) == sorted(FORMATS)
+    spec = importlib.util.spec_from_file_location("preprocess_data", REPO / "tools" / "preprocess_data.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    (action,) = [a for a in tool.build_parser()._actions if a.dest == "format"]
+    assert tuple(action.choices) == FORMATS
+
+
+def test_objectives_table_is_the_objective_registry():
+    """docs/objectives.md's table lists the registry's objectives, in its order, with its lines."""
+    from bebop_megatron.losses.objectives import DEFAULT, OBJECTIVES
+
+    text = (REPO / "docs" / "objectives.md").read_text()
+    start = text.index("| `loss.type` | what it minimises |")
+    rows = text[start:text.index("\n\n", start)].splitlines()[2:]
+    assert rows == [f"| `{n}`{' (default)' if n == DEFAULT else ''} | {o.doc} |" for n, o in OBJECTIVES.items()]

@@ -8,12 +8,14 @@ function returns sum_t L_t and the number of such positions.
 
 from __future__ import annotations
 
-import pytest
 from types import SimpleNamespace
+
+import pytest
 import torch
 import torch.distributed as dist
 
 from bebop_megatron.data import Batch
+from bebop_megatron.losses.objectives import DISTRIBUTION_NAMES
 from bebop_megatron.training.loss import DECODE_ROWS, STAT_ROWS, chain_valid, mtp_ce_loss
 from tests.helpers.single_process import single_process
 
@@ -293,7 +295,7 @@ def test_mtp_ce_loss_all_chains_empty(megatron_single_process):
     assert torch.count_nonzero(hidden.grad) == 0
 
 
-@pytest.mark.parametrize("loss_type", ["e2e_tv", "tv", "kl", "reverse_kl", "nla", "e2e_nla", "lk", "e2e_lk"])
+@pytest.mark.parametrize("loss_type", DISTRIBUTION_NAMES)
 def test_mtp_loss_targets_are_the_backbone_shifted_by_k(megatron_single_process, loss_type):
     """Step k at position t is trained toward the backbone's distribution at t + k."""
     from bebop_megatron.config import LossConfig

@@ -18,6 +18,7 @@ from bebop_megatron.config.schema import Config
 from bebop_megatron.config.sizes import validate_sizes
 from bebop_megatron.config.sources import single_source_as_list, validate_data
 from bebop_megatron.config.yaml_file import default_save_dir, read_config_file
+from bebop_megatron.losses.objectives import NAMES as OBJECTIVE_NAMES
 
 
 def _known_keys(cls, prefix: str = "") -> list[str]:
@@ -137,7 +138,7 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-LOSS_TYPES = ("e2e_tv", "tv", "kl", "reverse_kl", "nla", "e2e_nla", "lk", "e2e_lk", "ce")
+LOSS_TYPES = OBJECTIVE_NAMES  # the objective registry's names (bebop_megatron/losses/objectives.py)
 
 
 def _choice(value, name: str, choices: tuple) -> None:

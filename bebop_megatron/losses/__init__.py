@@ -8,6 +8,7 @@ analytic backward. ``reference`` holds the float64 plain-torch definitions the t
 from bebop_megatron.losses.kernel_torch import STAT_KEYS
 from bebop_megatron.losses.tv import (
     ACCEPT_LEN_KEYS,
+    ENTRY_POINTS,
     accept_length_rows,
     chain_lengths,
     chain_mask,
@@ -23,10 +24,7 @@ from bebop_megatron.losses.tv import (
     tv_loss,
 )
 
-OBJECTIVES = {
-    "e2e_tv": e2e_tv_loss, "tv": tv_loss, "kl": forward_kl_loss, "reverse_kl": reverse_kl_loss,
-    "nla": nla_loss, "e2e_nla": e2e_nla_loss, "lk": lk_loss, "e2e_lk": e2e_lk_loss,
-}
+OBJECTIVES = ENTRY_POINTS  # the registry's distribution objectives (losses/objectives.py) -> their functions
 
 __all__ = [
     "ACCEPT_LEN_KEYS", "OBJECTIVES", "STAT_KEYS", "accept_length_rows", "chain_lengths", "chain_mask",

@@ -23,35 +23,38 @@ from __future__ import annotations
 import torch
 
 from bebop_megatron.losses.functions import ChainAcceptLength, E2EChain
-from bebop_megatron.losses.kernel_torch import TV_KL
 
 NLA_EPS = 1e-6
 DEFAULT_LK_ETA = 3.0
-COLD_START_KINDS = ("nla", "e2e_nla", "lk", "e2e_lk")
-HYBRID_KINDS = ("lk", "e2e_lk")  # need KL and TV per row (kernel kind tv_kl, both kernels)
-KERNEL_KIND = {"nla": "tv", "e2e_nla": "tv", "lk": TV_KL, "e2e_lk": TV_KL}
 
 
-def per_position(kind: str, value: torch.Tensor, chain_KN: torch.Tensor, lk_eta: float) -> torch.Tensor:
-    """L_t ``[N]`` of ``kind`` from the kernel's per-row values: d_TV ``[K, N]`` (nla, e2e_nla) or
-    (d_TV, KL(p||q)) ``[2, K, N]`` (lk, e2e_lk); 0 where K_t = 0."""
+def nla(tv_KN: torch.Tensor, chain_KN: torch.Tensor, lk_eta: float) -> torch.Tensor:
+    """L_t of ``nla`` from d_TV ``[K, N]``: (1/K) sum_{k<=K_t} -log(max(alpha_k, eps))."""
+    alpha_KN = (1.0 - tv_KN).clamp(min=NLA_EPS)
+    return torch.where(chain_KN, -alpha_KN.log(), 0.0).sum(0) / chain_KN.shape[0]
+
+
+def e2e_nla(tv_KN: torch.Tensor, chain_KN: torch.Tensor, lk_eta: float) -> torch.Tensor:
+    """L_t of ``e2e_nla`` from d_TV ``[K, N]``: -log(max(E[L]_t / K, eps)); 0 where K_t = 0."""
+    accept_N = (ChainAcceptLength.apply(tv_KN, chain_KN) / chain_KN.shape[0]).clamp(min=NLA_EPS)
+    return torch.where(chain_KN[0], -accept_N.log(), 0.0)
+
+
+def lk(rows_2KN: torch.Tensor, chain_KN: torch.Tensor, lk_eta: float) -> torch.Tensor:
+    """L_t of ``lk`` from (d_TV, KL(p||q)) ``[2, K, N]``: (1/K) sum_{k<=K_t} lam_k KL_k + (1 - lam_k) d_TV_k."""
+    tv_KN, kl_KN = rows_2KN.unbind(0)
+    lam_KN = torch.exp(-lk_eta * (1.0 - tv_KN.detach()))
+    return torch.where(chain_KN, lam_KN * kl_KN + (1.0 - lam_KN) * tv_KN, 0.0).sum(0) / chain_KN.shape[0]
+
+
+def e2e_lk(rows_2KN: torch.Tensor, chain_KN: torch.Tensor, lk_eta: float) -> torch.Tensor:
+    """L_t of ``e2e_lk`` from (d_TV, KL(p||q)) ``[2, K, N]``: lam_t L_t^kl + (1 - lam_t) L_t^e2e_tv."""
+    tv_KN, kl_KN = rows_2KN.unbind(0)
     K = chain_KN.shape[0]
-    if kind == "nla":
-        alpha_KN = (1.0 - value).clamp(min=NLA_EPS)
-        return torch.where(chain_KN, -alpha_KN.log(), 0.0).sum(0) / K
-    if kind == "e2e_nla":
-        accept_N = (ChainAcceptLength.apply(value, chain_KN) / K).clamp(min=NLA_EPS)
-        return torch.where(chain_KN[0], -accept_N.log(), 0.0)
-    tv_KN, kl_KN = value.unbind(0)
-    if kind == "lk":
-        lam_KN = torch.exp(-lk_eta * (1.0 - tv_KN.detach()))
-        return torch.where(chain_KN, lam_KN * kl_KN + (1.0 - lam_KN) * tv_KN, 0.0).sum(0) / K
-    if kind == "e2e_lk":
-        with torch.no_grad():
-            lam_N = torch.exp(-lk_eta * ChainAcceptLength.apply(tv_KN, chain_KN) / K)
-        kl_N = torch.where(chain_KN, kl_KN, 0.0).sum(0) / K
-        return lam_N * kl_N + (1.0 - lam_N) * E2EChain.apply(tv_KN, chain_KN)
-    raise ValueError(f"kind must be one of {COLD_START_KINDS}, got {kind!r}")
+    with torch.no_grad():
+        lam_N = torch.exp(-lk_eta * ChainAcceptLength.apply(tv_KN, chain_KN) / K)
+    kl_N = torch.where(chain_KN, kl_KN, 0.0).sum(0) / K
+    return lam_N * kl_N + (1.0 - lam_N) * E2EChain.apply(tv_KN, chain_KN)
 
 
 def check_lk_eta(lk_eta) -> float:
@@ -61,5 +64,4 @@ def check_lk_eta(lk_eta) -> float:
     return float(lk_eta)
 
 
-__all__ = ["COLD_START_KINDS", "DEFAULT_LK_ETA", "HYBRID_KINDS", "KERNEL_KIND", "NLA_EPS", "check_lk_eta",
-           "per_position"]
+__all__ = ["DEFAULT_LK_ETA", "NLA_EPS", "check_lk_eta", "e2e_lk", "e2e_nla", "lk", "nla"]

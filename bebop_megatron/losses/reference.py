@@ -2,7 +2,9 @@
 
 Straight from DESIGN.md section 1: full softmaxes, Python loops over positions and chain
 steps, autograd for gradients. Nothing here is chunked, vocabulary-parallel or analytic,
-and nothing is shared with the implementation in ``tv.py``.
+and nothing computed is shared with the implementation in ``tv.py``: the objective registry
+(:mod:`bebop_megatron.losses.objectives`) only says which divergence an objective is built from
+and which float64 per-position loss (:mod:`bebop_megatron.losses.reference_positions`) it has.
 
 The cold-start objectives (nla, e2e_nla, lk, e2e_lk) follow the LK-loss paper's forms as
 DESIGN.md section 1 states them; ``sg`` (stop-gradient) is ``.detach()`` here.
@@ -14,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-OBJECTIVES = ("e2e_tv", "tv", "kl", "reverse_kl", "nla", "e2e_nla", "lk", "e2e_lk")
-NLA_EPS = 1e-6  # floor of alpha (nla) and E[L]/K (e2e_nla) before the log
+from bebop_megatron.losses.objectives import objective as entry
+from bebop_megatron.losses.reference_positions import NLA_EPS  # noqa: F401  (the tests' floor)
 
 
 def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -49,69 +51,39 @@ def kl(first_logits, second_logits, first_temperature, second_temperature) -> to
     return torch.where(a > 0, a * (log_a - log_b), 0.0).sum(-1)
 
 
-def per_step(kind, draft, target, target_temperature=1.0, draft_temperature=1.0) -> torch.Tensor:
-    """The per-step divergence ``[K, N]`` the objective is built from (d_TV for nla/e2e_nla)."""
-    if kind in ("e2e_tv", "tv", "nla", "e2e_nla"):
+def divergence(kernel, draft, target, target_temperature=1.0, draft_temperature=1.0) -> torch.Tensor:
+    """The per-step divergence ``[K, N]`` of a kernel kind (d_TV for ``tv`` and ``tv_kl``)."""
+    if kernel in ("tv", "tv_kl"):
         return tv_distance(draft, target, target_temperature, draft_temperature)
-    if kind == "kl":
+    if kernel == "kl":
         return kl(target.detach(), draft, target_temperature, draft_temperature)
-    if kind == "reverse_kl":
+    if kernel == "reverse_kl":
         return kl(draft, target.detach(), draft_temperature, target_temperature)
-    if kind in ("lk", "e2e_lk"):
-        return tv_distance(draft, target, target_temperature, draft_temperature)  # KL added in objective()
-    raise ValueError(kind)
+    raise ValueError(kernel)
 
 
-def _cold_start_position(kind, t, m, K, tv, kl_pq, lk_eta):
-    """L_t of nla / e2e_nla / lk / e2e_lk at position t with chain length m >= 1."""
-    alpha = [1.0 - tv[j, t] for j in range(m)]
-    if kind == "nla":
-        return sum(-torch.log(torch.clamp(a, min=NLA_EPS)) for a in alpha) / K
-    if kind == "lk":
-        total = 0.0
-        for j in range(m):
-            lam = torch.exp(-lk_eta * alpha[j].detach())
-            total = total + lam * kl_pq[j, t] + (1.0 - lam) * tv[j, t]
-        return total / K
-    accept_len, survive, e2e = 0.0, 1.0, 0.0
-    for j in range(m):
-        survive = survive * alpha[j]  # prod_{i<=j} alpha_i
-        accept_len = accept_len + survive  # E[L] (Eq. 12)
-        e2e = e2e + (1.0 - survive)  # Eq. 13
-    if kind == "e2e_nla":
-        return -torch.log(torch.clamp(accept_len / K, min=NLA_EPS))
-    lam = torch.exp(-lk_eta * accept_len.detach() / K)  # e2e_lk
-    return lam * sum(kl_pq[j, t] for j in range(m)) / K + (1.0 - lam) * e2e / K
+def per_step(kind, draft, target, target_temperature=1.0, draft_temperature=1.0) -> torch.Tensor:
+    """The per-step divergence ``[K, N]`` objective ``kind`` is built from (d_TV for nla/e2e_nla/lk/e2e_lk)."""
+    return divergence(entry(kind).kernel, draft, target, target_temperature, draft_temperature)
 
 
 def objective(kind, draft, target, valid, target_temperature=1.0, draft_temperature=1.0, reduction="mean",
               lk_eta=3.0):
     """Scalar loss of DESIGN.md section 1 (e2e: Eq. 13 per position; others: mean per-step value;
     the cold-start objectives as in ``losses.cold_start``'s docstring)."""
-    K, N = valid.shape
-    d = per_step(kind, draft, target, target_temperature, draft_temperature)
-    kl_pq = None
-    if kind in ("lk", "e2e_lk"):
-        d = tv_distance(draft, target, target_temperature, draft_temperature)
-        kl_pq = kl(target.detach(), draft, target_temperature, draft_temperature)
+    spec = entry(kind)
+    if spec.reference is None:
+        raise ValueError(f"{kind}: no divergence reference (the data tokens' cross-entropy: torch's cross_entropy)")
+    d = divergence(spec.kernel, draft, target, target_temperature, draft_temperature)
+    kl_pq = kl(target.detach(), draft, target_temperature, draft_temperature) if spec.kernel == "tv_kl" else None
+    K = valid.shape[0]
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     for t, m in enumerate(chain_lengths(valid)):
         if m == 0:
             continue
         count += 1
-        if kind in ("nla", "e2e_nla", "lk", "e2e_lk"):
-            total = total + _cold_start_position(kind, t, m, K, d, kl_pq, lk_eta)
-            continue
-        position = torch.zeros((), dtype=torch.float64)
-        accepted = torch.ones((), dtype=torch.float64)
-        for j in range(m):
-            if kind == "e2e_tv":
-                accepted = accepted * (1.0 - d[j, t])  # prod_{i<=j} alpha_i (Eq. 12)
-                position = position + (1.0 - accepted)
-            else:
-                position = position + d[j, t]
-        total = total + position / K
+        total = total + spec.reference(d[:m, t], None if kl_pq is None else kl_pq[:m, t], K, lk_eta)
     if reduction == "sum":
         return total
     return total / max(count, 1)

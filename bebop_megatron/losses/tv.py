@@ -23,15 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from bebop_megatron.losses.cold_start import (
-    COLD_START_KINDS,
-    DEFAULT_LK_ETA,
-    KERNEL_KIND,
-    check_lk_eta,
-    per_position,
-)
-from bebop_megatron.losses.functions import DEFAULT_CHUNK_TOKENS, DivergenceOptions, E2EChain, VocabDivergence
-from bebop_megatron.losses.kernel_torch import STAT_KEYS
+from bebop_megatron.losses.cold_start import DEFAULT_LK_ETA, check_lk_eta
+from bebop_megatron.losses.functions import DEFAULT_CHUNK_TOKENS, DivergenceOptions, VocabDivergence
+from bebop_megatron.losses.kernel_torch import STAT_KEYS, TV_KL
+from bebop_megatron.losses.objectives import DISTRIBUTION_NAMES, NAMES, objective
 from bebop_megatron.losses.vocab import masked_padded_vocab
 
 ACCEPT_LEN_KEYS = ("accept_len_rs", "accept_len_to")
@@ -76,13 +71,10 @@ def _options(kind, valid, shape_KN, *, tp_group, target_temperature, draft_tempe
     if tuple(valid.shape) != tuple(shape_KN):
         raise ValueError(f"valid must be [K, N] = {tuple(shape_KN)}, got {tuple(valid.shape)}")
     return DivergenceOptions(
-        kind=_KERNEL_KIND.get(kind, kind), target_temperature=float(target_temperature),
+        kind=objective(kind).kernel, target_temperature=float(target_temperature),
         draft_temperature=float(draft_temperature), tp_group=tp_group, chunk_tokens=chunk_tokens,
         with_stats=return_stats, grad_in_forward=grad_in_forward, impl=impl, vocab_size=vocab_size,
     )
-
-
-_KERNEL_KIND = {"e2e_tv": "tv", **KERNEL_KIND}  # objective -> kernel kind (others: the same name)
 
 
 def _objective(kind, draft_logits, target_logits, valid, *, reduction, return_stats, lk_eta=DEFAULT_LK_ETA,
@@ -103,14 +95,7 @@ def _objective(kind, draft_logits, target_logits, valid, *, reduction, return_st
 def _combine(kind, value_KN, stats_CKN, valid, reduction, return_stats, stat_keys=STAT_KEYS, lk_eta=DEFAULT_LK_ETA):
     """Per-row divergences (``[2, K, N]`` for the LK hybrids) -> the objective's loss (and per-step stat sums)."""
     chain_KN = chain_mask(valid)
-    K = chain_KN.shape[0]
-    if kind == "e2e_tv":
-        loss_N = E2EChain.apply(value_KN, chain_KN)
-    elif kind in COLD_START_KINDS:
-        loss_N = per_position(kind, value_KN, chain_KN, lk_eta)
-    else:
-        loss_N = torch.where(chain_KN, value_KN, 0.0).sum(0) / K
-    loss = loss_N.sum()
+    loss = objective(kind).loss(value_KN, chain_KN, lk_eta).sum()
     if reduction == "mean":
         num_positions = chain_KN[0].sum().to(loss.dtype)  # positions with K_t >= 1
         loss = loss / num_positions.clamp(min=1.0)
@@ -172,8 +157,8 @@ _EQUIVALENT_SUFFIX = """
 """
 
 
-OBJECTIVE_KINDS = ("e2e_tv", "tv", "kl", "reverse_kl", *COLD_START_KINDS)
-FUSED_KINDS = (*OBJECTIVE_KINDS, "ce")  # fused_linear_objective's kinds: also the data tokens' cross-entropy
+OBJECTIVE_KINDS = DISTRIBUTION_NAMES  # the unfused entry points' kinds
+FUSED_KINDS = NAMES  # fused_linear_objective's kinds: also the data tokens' cross-entropy
 
 
 def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *, labels=None, tp_group=None,
@@ -237,10 +222,10 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
         return_stats=return_stats, impl=impl, vocab_size=vocab_size,
     )
     lk_eta = check_lk_eta(lk_eta)
-    if kind == "ce":
+    if objective(kind).data_tokens:
         if labels is None:
-            raise ValueError("kind 'ce' needs labels (the data tokens)")
-        opts = dataclasses.replace(opts, kind="tv", label_ce=True)  # the kernel for the statistics only
+            raise ValueError(f"kind {kind!r} needs labels (the data tokens)")
+        opts = dataclasses.replace(opts, label_ce=True)  # the kernel for the statistics only
     if label_rows:
         if labels is None or not return_stats:
             raise ValueError("label_rows needs labels and return_stats=True")
@@ -253,7 +238,7 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
     keys = STAT_KEYS + ((TOP1,) if labels is not None else ()) + ((ACCEPT_RS_LABEL,) if label_rows else ())
     stats_CKN = stats_CKSB.flatten(2)
     result = _combine(kind, value_KSB.flatten(-2), stats_CKN, valid_KN, reduction, return_stats, keys, lk_eta=lk_eta)
-    if kind == "ce" and return_stats:
+    if objective(kind).data_tokens and return_stats:
         result[1]["ce_sum"] = torch.where(chain_mask(valid_KN), value_KSB.detach().flatten(-2), 0.0).sum(-1)
     if label_rows:
         result[1]["label_rows"] = stats_CKN[[keys.index(ACCEPT_RS_LABEL), keys.index(TOP1)]]
@@ -277,6 +262,7 @@ def _entry_point(kind: str, name: str):
                           grad_in_forward=grad_in_forward, impl=impl, vocab_size=vocab_size)
 
     loss.__name__ = loss.__qualname__ = name
+    loss.__doc__ = objective(kind).doc  # the registry's line; the documented ones get their own below
     return loss
 
 
@@ -293,17 +279,18 @@ def _lk_entry_point(kind: str, name: str):
                           lk_eta=check_lk_eta(lk_eta))
 
     loss.__name__ = loss.__qualname__ = name
+    loss.__doc__ = objective(kind).doc
     return loss
 
 
-e2e_tv_loss = _entry_point("e2e_tv", "e2e_tv_loss")
-tv_loss = _entry_point("tv", "tv_loss")
-forward_kl_loss = _entry_point("kl", "forward_kl_loss")
-reverse_kl_loss = _entry_point("reverse_kl", "reverse_kl_loss")
-nla_loss = _entry_point("nla", "nla_loss")
-e2e_nla_loss = _entry_point("e2e_nla", "e2e_nla_loss")
-lk_loss = _lk_entry_point("lk", "lk_loss")
-e2e_lk_loss = _lk_entry_point("e2e_lk", "e2e_lk_loss")
+ENTRY_POINTS = {name: (_lk_entry_point if objective(name).kernel == TV_KL else _entry_point)(name, f"{name}_loss")
+                for name in DISTRIBUTION_NAMES}
+"""Every distribution objective of the registry -> its function ``(draft_logits, target_logits, valid, ...)``."""
+# The documented names of the paper's and the cold-start objectives.
+e2e_tv_loss, tv_loss = ENTRY_POINTS["e2e_tv"], ENTRY_POINTS["tv"]
+forward_kl_loss, reverse_kl_loss = ENTRY_POINTS["kl"], ENTRY_POINTS["reverse_kl"]
+nla_loss, e2e_nla_loss = ENTRY_POINTS["nla"], ENTRY_POINTS["e2e_nla"]
+lk_loss, e2e_lk_loss = ENTRY_POINTS["lk"], ENTRY_POINTS["e2e_lk"]
 
 
 e2e_tv_loss.__doc__ = _doc(

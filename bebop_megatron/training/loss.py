@@ -189,7 +189,7 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     )
     loss_sum, dist_stats = fused_linear_objective(loss_cfg.type, draft_KSBH, backbone_SBH, weight_VH,
                                                   fused_valid_KSB, **kwargs)
-    if loss_cfg.type == "ce":
+    if "ce_sum" in dist_stats:  # the data tokens' cross-entropy (ce)
         stats[0] = dist_stats["ce_sum"].float()
     stats[1] = dist_stats["top1"].float()
     for row, key in enumerate(STAT_KEYS + ACCEPT_LEN_KEYS, start=3):
