@@ -149,7 +149,9 @@ def test_decode_exact_flags_and_speedup_basis(runs):
     for e in (e08, e1):
         lo, hi = e["accept_len_decode_rs_ci95"][-1]
         assert lo <= e["accept_len_decode_rs"][-1] <= hi
-        assert e["by_position"]["count"][0] == e["count"][0] and sum(e["by_position"]["count"][1:]) == 0
+        # four equal buckets of train.seq_length: every chain in one of them, more than one bucket filled
+        assert sum(e["by_position"]["count"]) == e["count"][0] and len(e["by_position"]["buckets"]) == 4
+        assert sum(c > 0 for c in e["by_position"]["count"]) > 1
     assert "from the decode-exact E[L]" in proc.stdout and "from the Eq. 12 over every position E[L]" in proc.stdout
 
 
@@ -326,3 +328,13 @@ def test_a_rerun_replaces_the_earlier_reports_files(runs):
     assert sorted(p.name for p in (d / "rerun").iterdir()) == sorted(
         ["notes.txt", "report.json", *(f"{name}.png" for name in report["plots"])])
     assert (d / "rerun" / "notes.txt").read_text() == "mine\n"
+
+
+def test_data_files_on_a_synthetic_language_run_are_warned_in_one_line(runs):
+    """(issue 48 item 20) The tiny run was trained on the synthetic language; its report on chat
+    JSONL (byte-tokenized) says so once, on stderr and in report.json; --data synthetic does not."""
+    results, d = runs
+    warnings = [line for line in results["report"].stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "trained on the synthetic language (no data.train_files)" in warnings[0]
+    assert "the byte tokenizer" in warnings[0] and "--data synthetic" in warnings[0]
+    assert json.loads((d / "report" / "report.json").read_text())["warnings"] == warnings

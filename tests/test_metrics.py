@@ -164,3 +164,29 @@ def test_acceptance_report_bins_fits_and_simulation():
     want = alpha.cumprod(-1).cumsum(-1).mean(0)
     assert entry["num_simulated_chains"] == 2000
     assert np.allclose(entry["empirical_accept_len_rs"], want.tolist(), atol=0.06)
+
+
+def test_position_buckets_follow_the_rows_length():
+    """The acceptance-by-position buckets split the rows' length (train.seq_length) in 4, so every
+    bucket of a 64-token row holds positions (the fixed edges put them all in 0-512); alpha_RS per
+    bucket against the plain mean over the bucket's chained positions."""
+    from bebop_megatron.metrics.report import POSITION_EDGES, AcceptanceReport, position_edges
+
+    assert position_edges(None) == POSITION_EDGES
+    assert position_edges(64) == (0, 16, 32, 48) and position_edges(3) == (0, 1, 2)
+    K, B, S = 2, 3, 64
+    gen = torch.Generator().manual_seed(0)
+    alpha = torch.rand(K, B, S, generator=gen, dtype=torch.float64)
+    chain = torch.rand(K, B, S, generator=gen) < 0.8
+    chain[1] &= chain[0]
+    positions = torch.arange(S).expand(B, S)
+    report = AcceptanceReport([1.0], K, K, [0.0, 10.0], num_scatter=0, max_position=S)
+    report.add_position_rows(0, alpha, chain, positions)
+    out = report.position_summary(0)
+    assert out["buckets"] == ["0-16", "16-32", "32-48", "48-64"]
+    for i, lo in enumerate((0, 16, 32, 48)):
+        sel = chain[:, :, lo:lo + 16]
+        assert out["count"][i] == int(sel[0].sum()) > 0
+        for k in range(K):
+            want = float(alpha[k, :, lo:lo + 16][sel[k]].mean())
+            assert out["alpha_rs"][k][i] == pytest.approx(want, rel=1e-12)

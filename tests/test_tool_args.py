@@ -132,3 +132,12 @@ def test_eval_acceptance_context_parallel_flags(capsys):
     assert usage_error(capsys, "eval_acceptance", [*base[:-1], "0"]) == "--context-parallel must be >= 1"
     for costs in (["--no-speedup"], ["--cost-ratio", "0.1"], ["--cost-target-ms", "10", "--cost-draft-ms", "1"]):
         assert load_tool("eval_acceptance").parse_args([*base, *costs]).context_parallel == 2
+
+
+def test_data_temperature_is_refused_for_the_synthetic_language(capsys):
+    """(issue 48 item 19) Its held-out samples come from the language, not from the backbone: the
+    label approximate and the Eq. 12 speed-up must stay; --sample is the way to exact text."""
+    line = usage_error(capsys, "eval_acceptance", ["--checkpoint", "c", "--data", "synthetic", "--data-temperature",
+                                                   "1.0"])
+    assert line.startswith("--data-temperature: the synthetic language's held-out samples come from the language")
+    assert line.endswith("pass --sample for text sampled from it")

@@ -2,7 +2,6 @@
 
     python tools/eval_acceptance.py --checkpoint checkpoints/tiny_jsonl --data held_out.jsonl \
         --temperatures 0.6 0.8 1.0 1.2 --gamma 3 --out-dir acceptance_report
-
     torchrun --nproc_per_node 2 tools/eval_acceptance.py --checkpoint CKPT --data FILE --tensor-parallel 2
 
 For each temperature T (both the draft and the target logits divided by T) it reports,
@@ -126,13 +125,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("give either --cost-ratio or --cost-target-ms/--cost-draft-ms, not both")
     if args.cost_ratio is not None and args.cost_overhead_ms:
         parser.error("--cost-overhead-ms needs --cost-target-ms (the overhead is a fraction of c_target)")
-    for name in ("cost_repeats", "synthetic_samples"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if any(not TEMPERATURES[0] <= t <= TEMPERATURES[1] for t in args.temperatures):  # NaN fails too
         parser.error(f"--temperatures must all be in [{TEMPERATURES[0]:g}, {TEMPERATURES[1]:g}], "
                      f"got {args.temperatures}")
-    for name in ("tensor_parallel", "context_parallel", "micro_batch_size", "chunk_positions", "sim_trials"):
+    for name in ("cost_repeats", "synthetic_samples", "tensor_parallel", "context_parallel", "micro_batch_size",
+                 "chunk_positions", "sim_trials"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("sim_positions", "scatter_points"):
@@ -148,6 +145,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} goes with --sample")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
+    if args.data_temperature is not None and args.data == ["synthetic"]:
+        parser.error("--data-temperature: the synthetic language's held-out samples come from the language, not "
+                     "from this backbone, so their forecast stays approximate; pass --sample for text sampled from it")
     if args.sample and args.data_temperature is not None:
         parser.error("--sample evaluates freshly sampled text: --data-temperature does not apply")
     if args.sample and args.tensor_parallel != 1:

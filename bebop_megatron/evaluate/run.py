@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 
 import torch
@@ -85,6 +86,17 @@ def eval_config(ckpt_path: str, args, world: int, device: str):
     return load_config(None, overrides, defaults=saved)
 
 
+def data_mismatch(cfg, args) -> str | None:
+    """The warning for data files given to a run trained on the synthetic language (no
+    ``data.train_files``): its tokens are the language's, the files' are the tokenizer's."""
+    if is_synthetic(args) or cfg.data.train_files:
+        return None
+    return (f"warning: the checkpoint was trained on the synthetic language (no data.train_files) and --data "
+            f"{' '.join(map(str, args.data))} is tokenized with data.tokenizer "
+            f"({cfg.data.tokenizer or 'the byte tokenizer'}): the heads are measured on text of another kind; "
+            "--data synthetic evaluates them on their own language")
+
+
 def held_out_dataset(cfg, args, progress: bool):
     """The held-out rows: ``--data`` files, or samples of the run's synthetic language."""
     if is_synthetic(args):
@@ -156,6 +168,9 @@ def evaluate(args) -> dict | None:
     if not 1 <= gamma <= K:
         raise EvalError(f"--gamma must be in 1..{K} (the checkpoint's mtp.num_steps), got {gamma}")
     setup_parallel(cfg, world)
+    mismatch = data_mismatch(cfg, args)
+    if mismatch and rank == 0:
+        print(mismatch, file=sys.stderr, flush=True)
     dataset = held_out_dataset(cfg, args, progress=not args.no_progress and rank == 0)
     if dataset is None or len(dataset) == 0:
         raise EvalError(f"no held-out rows in {args.data}")
@@ -172,7 +187,7 @@ def evaluate(args) -> dict | None:
     num_bins = max(1, math.ceil(max_entropy / args.entropy_bin_width))
     edges = [min(i * args.entropy_bin_width, max_entropy) for i in range(num_bins + 1)]
     report = AcceptanceReport(args.temperatures, K, gamma, edges, num_scatter=args.scatter_points if rank == 0 else 0,
-                              keep_positions=bool(args.positions_out))
+                              keep_positions=bool(args.positions_out), max_position=cfg.train.seq_length)
     generator = torch.Generator(device=comm).manual_seed(args.seed + 1000 * dp_rank)
     sim_left = args.sim_positions
     # --sample: each temperature evaluates its own on-policy continuations; otherwise the data, once.
@@ -230,6 +245,7 @@ def evaluate(args) -> dict | None:
         "per_temperature": per_t,
         "speedup": speedup,
         "plots": plots,
+        "warnings": [mismatch] if mismatch else [],
     }
     write_json(os.path.join(args.out_dir, "report.json"), result)
     return result

@@ -38,13 +38,25 @@ from bebop_megatron.speculative import batched_rejection_sample, batched_target_
 SUM_KEYS = ("alpha_rs", "alpha_to", "entropy_target", "entropy_draft", "kl", "top1", "accept_len_rs",
             "accept_len_to", "count")
 MOMENTS = ("n", "sx", "sxx", "sy_rs", "sxy_rs", "sy_to", "sxy_to")
-POSITION_EDGES = (0, 512, 2048, 8192, 32768)  # context position buckets: [0, 512), ..., [32768, inf)
+POSITION_EDGES = (0, 512, 2048, 8192, 32768)  # context position buckets without a length: [0, 512), ..., [32768, inf)
+POSITION_BUCKETS = 4  # with the data's longest row: that many equal buckets over it
+
+
+def position_edges(max_position: int | None) -> tuple[int, ...]:
+    """The context-position buckets' lower edges: :data:`POSITION_BUCKETS` equal ones over
+    ``[0, max_position)`` (the rows' length: every bucket can hold positions), or the fixed
+    :data:`POSITION_EDGES` when the length is not known. The last bucket is open above."""
+    if max_position is None:
+        return POSITION_EDGES
+    if max_position < 1:
+        raise ValueError(f"max_position must be >= 1, got {max_position}")
+    return tuple(sorted({max_position * i // POSITION_BUCKETS for i in range(POSITION_BUCKETS)}))
 DECODE_MODES = ("rs", "to")
 
 
 class AcceptanceReport:
     def __init__(self, temperatures, num_steps: int, gamma: int, entropy_edges, num_scatter: int = 2000,
-                 keep_positions: bool = False):
+                 keep_positions: bool = False, max_position: int | None = None):
         if not 1 <= gamma <= num_steps:
             raise ValueError(f"gamma must be in 1..{num_steps} (the checkpoint's MTP steps), got {gamma}")
         self.temperatures = [float(t) for t in temperatures]
@@ -63,7 +75,9 @@ class AcceptanceReport:
         self.positions = [[] for _ in range(T)]
         # Decode-exact: per temperature, [texts, mode, gamma, (accepted, verifications)] chunks of this rank.
         self.decode = [[] for _ in range(T)]
-        P = len(POSITION_EDGES)
+        self.position_edges = position_edges(max_position)
+        self.max_position = max_position
+        P = len(self.position_edges)
         self.by_position = torch.zeros(T, 2, K, P, **f64)  # per step: chains reaching it, alpha_RS sums
         self.by_position_decode = torch.zeros(T, 2, P, **f64)  # decode-exact RS at G: accepted, verifications
 
@@ -113,8 +127,8 @@ class AcceptanceReport:
                     per_text = np.zeros((len(sums), len(DECODE_MODES), self.G, 2))
                 per_text[:, m, g - 1] = sums
                 if mode == "rs" and g == self.G:
-                    bucket = _position_bucket(position_ids_BS.cpu().numpy())
-                    for i in range(len(POSITION_EDGES)):
+                    bucket = self._position_bucket(position_ids_BS.cpu().numpy())
+                    for i in range(len(self.position_edges)):
                         sel = bucket == i
                         self.by_position_decode[ti, 0, i] += float(acc[sel].sum())
                         self.by_position_decode[ti, 1, i] += float(ver[sel].sum())
@@ -123,10 +137,10 @@ class AcceptanceReport:
 
     def add_position_rows(self, ti: int, alpha_rs_KBS, chain_KBS, position_ids_BS) -> None:
         """alpha_RS per step and context-position bucket (sums and chain counts)."""
-        bucket = torch.from_numpy(_position_bucket(position_ids_BS.cpu().numpy()))
+        bucket = torch.from_numpy(self._position_bucket(position_ids_BS.cpu().numpy()))
         chain = chain_KBS.cpu().double()
         alpha = alpha_rs_KBS.cpu().double() * chain
-        for i in range(len(POSITION_EDGES)):
+        for i in range(len(self.position_edges)):
             sel = (bucket == i).double()
             self.by_position[ti, 0, :, i] += (chain * sel).flatten(1).sum(-1)
             self.by_position[ti, 1, :, i] += (alpha * sel).flatten(1).sum(-1)
@@ -197,11 +211,15 @@ class AcceptanceReport:
             out[f"expected_verifications_{mode}"] = texts[:, m, :, 1].sum(0).tolist()
         return out
 
+    def _position_bucket(self, position_ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(np.asarray(self.position_edges), position_ids, side="right") - 1
+
     def position_summary(self, ti: int) -> dict:
         """By context-position bucket: chain counts, alpha_RS per step, decode-exact E[L](G) RS."""
         chains_KP, alpha_KP = self.by_position[ti]
-        names = [f"{lo}-{hi}" if hi is not None else f"{lo}+"
-                 for lo, hi in zip(POSITION_EDGES, (*POSITION_EDGES[1:], None))]
+        edges = self.position_edges
+        last = f"{edges[-1]}-{self.max_position}" if self.max_position is not None else f"{edges[-1]}+"
+        names = [f"{lo}-{hi}" for lo, hi in zip(edges, edges[1:])] + [last]
         acc, ver = self.by_position_decode[ti]
         return {
             "buckets": names,
@@ -269,8 +287,6 @@ def _masked(values: torch.Tensor, counts: torch.Tensor) -> list:
     return [float(v) if c > 0 else None for v, c in zip(values.tolist(), counts.tolist())]
 
 
-def _position_bucket(position_ids: np.ndarray) -> np.ndarray:
-    return np.searchsorted(np.asarray(POSITION_EDGES), position_ids, side="right") - 1
 
 
 def _comm_device(group) -> torch.device:
