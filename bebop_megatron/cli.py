@@ -122,6 +122,29 @@ def check_output_file(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: the directory {parent} does not exist; create it first")
 
 
+OUTPUT_WRITE_EXIT_CODE = 74
+"""Exit status when an output cannot be written for want of space (``EX_IOERR``), as a checkpoint."""
+
+
+class OutputWriteError(RuntimeError):
+    """An output file could not be written: no space left on device or quota exceeded (exit 74)."""
+
+    exit_code = OUTPUT_WRITE_EXIT_CODE
+
+
+def output_write_error(err: OSError, flag: str, path: str, then: str = "") -> Exception:
+    """The one-line error for ``err``, raised while writing ``path`` (the output ``flag`` names;
+    ``then``: what follows, e.g. how to resume): :class:`OutputWriteError` (exit 74) for a full
+    disk or quota, else a ``ValueError`` (exit 2: a read-only file system, permissions)."""
+    import errno
+
+    where, then = err.filename or path, f"; {then}" if then else ""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left on device" if err.errno == errno.ENOSPC else "disk quota exceeded"
+        return OutputWriteError(f"{flag} {path}: {what} while writing {where}{then}")
+    return ValueError(f"{flag} {path} cannot be written ({err.strerror or err}: {where}){then}")
+
+
 def check_output_dir(path: str, flag: str) -> None:
     """Before any work: ``path`` is a directory or can be created as one (neither it nor a
     directory above it is an existing file)."""
