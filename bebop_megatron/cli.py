@@ -72,14 +72,15 @@ def run_cli(main: Callable[[], None]) -> None:
     2: a user error (``ValueError``); 3: the numerics guard gave up (``train.max_skipped_steps``
     consecutive non-finite steps); 74: a checkpoint could not be written (e.g. no space left on
     device; ``latest`` still names the previous one); 75: preempted (SIGTERM / SIGUSR1) after a
-    complete checkpoint, to be requeued (``bebop_megatron.training.signals.REQUEUE_EXIT_CODE``).
+    complete checkpoint, to be requeued (``bebop_megatron.training.signals.REQUEUE_EXIT_CODE``);
+    130: Ctrl-C, after the trainer's complete checkpoint (``INTERRUPT_EXIT_CODE``) or at once.
     Under torchrun the rank also stops when its launcher is gone (:func:`watch_launcher`).
     """
     watch_launcher()
     try:
         main()
         _close_distributed_at_exit()  # every rank got here: a success
-    except SystemExit as exit_:  # the trainer's Preempted (75), agreed by every rank
+    except SystemExit as exit_:  # the trainer's Preempted (75, or 130 after Ctrl-C), agreed by every rank
         if getattr(exit_, "message", None) is not None:
             _close_distributed_at_exit()
         raise

@@ -11,8 +11,9 @@ Ctrl-C (SIGINT) is handled the same way, with :data:`INTERRUPT_EXIT_CODE` (not r
 single process the terminal sends it to the trainer; under torchrun to torchrun alone (its
 ranks run in sessions of their own), which forwards it to every rank and gives them its
 ``--shutdown-timeout`` (30 s by default) to exit before it kills them (torchrun itself then
-exits with 1 and its own ``SignalException`` report). A second SIGINT stops the process at once
-(``KeyboardInterrupt``), without that checkpoint.
+exits with 1 and its own ``SignalException`` report). A second SIGINT that reaches the trainer
+stops it at once (``KeyboardInterrupt``), without that checkpoint (under torchrun a second Ctrl-C
+reaches torchrun alone).
 """
 
 from __future__ import annotations
