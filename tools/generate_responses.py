@@ -56,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      epilog="\n".join(__doc__.split("\n")[1:]))
     parser.add_argument("--prompts", required=True, metavar="FILE", help="prompts JSONL")
     parser.add_argument("--out", required=True, metavar="FILE",
-                        help="output JSONL (appended to; resumed if present); one run at a time (<out>.lock)")
+                        help="output JSONL (its directory must exist; appended to; resumed if present); one run at a "
+                             "time (<out>.lock)")
     backend = parser.add_argument_group("backend (exactly one)")
     backend.add_argument("--hf-dir", metavar="DIR", help="local Hugging Face model directory (transformers)")
     backend.add_argument("--megatron", metavar="DIR",
