@@ -72,14 +72,15 @@ def run_cli(main: Callable[[], None]) -> None:
     2: a user error (``ValueError``); 3: the numerics guard gave up (``train.max_skipped_steps``
     consecutive non-finite steps); 74: a checkpoint could not be written (e.g. no space left on
     device; ``latest`` still names the previous one); 75: preempted (SIGTERM / SIGUSR1) after a
-    complete checkpoint, to be requeued (``bebop_megatron.training.signals.REQUEUE_EXIT_CODE``).
+    complete checkpoint, to be requeued (``bebop_megatron.training.signals.REQUEUE_EXIT_CODE``);
+    130: Ctrl-C, after the trainer's complete checkpoint (``INTERRUPT_EXIT_CODE``) or at once.
     Under torchrun the rank also stops when its launcher is gone (:func:`watch_launcher`).
     """
     watch_launcher()
     try:
         main()
         _close_distributed_at_exit()  # every rank got here: a success
-    except SystemExit as exit_:  # the trainer's Preempted (75), agreed by every rank
+    except SystemExit as exit_:  # the trainer's Preempted (75, or 130 after Ctrl-C), agreed by every rank
         if getattr(exit_, "message", None) is not None:
             _close_distributed_at_exit()
         raise
@@ -120,6 +121,29 @@ def check_output_file(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path} is a directory; give a file name")
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: the directory {parent} does not exist; create it first")
+
+
+OUTPUT_WRITE_EXIT_CODE = 74
+"""Exit status when an output cannot be written for want of space (``EX_IOERR``), as a checkpoint."""
+
+
+class OutputWriteError(RuntimeError):
+    """An output file could not be written: no space left on device or quota exceeded (exit 74)."""
+
+    exit_code = OUTPUT_WRITE_EXIT_CODE
+
+
+def output_write_error(err: OSError, flag: str, path: str, then: str = "") -> Exception:
+    """The one-line error for ``err``, raised while writing ``path`` (the output ``flag`` names;
+    ``then``: what follows, e.g. how to resume): :class:`OutputWriteError` (exit 74) for a full
+    disk or quota, else a ``ValueError`` (exit 2: a read-only file system, permissions)."""
+    import errno
+
+    where, then = err.filename or path, f"; {then}" if then else ""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = "no space left on device" if err.errno == errno.ENOSPC else "disk quota exceeded"
+        return OutputWriteError(f"{flag} {path}: {what} while writing {where}{then}")
+    return ValueError(f"{flag} {path} cannot be written ({err.strerror or err}: {where}){then}")
 
 
 def check_output_dir(path: str, flag: str) -> None:

@@ -9,7 +9,9 @@
 - ``--config FILE`` without ``save.dir`` gets ``checkpoints/<file stem>``, not the quick-start's;
 - ``logging.metrics_file`` that is a directory, ``logging.tensorboard_dir`` that is a file: one line
   at validation (issue 26 item 13);
-- ``data.train_files=PATH`` without brackets is the list ``[PATH]`` (issue 26 item 16).
+- ``data.train_files=PATH`` without brackets is the list ``[PATH]`` (issue 26 item 16);
+- an override whose value YAML cannot parse, or that has no key (``=3``): one line naming it
+  (issue 48 items 12 and 18).
 """
 
 from __future__ import annotations
@@ -55,11 +57,35 @@ def test_a_directory_as_config_file(tmp_path):
 
 
 CLI_CASES = ["list", "duplicate", "binary", "directory"]
+# (issue 48 items 12 and 18) Overrides that are not YAML or have no key: yaml's 30-line ParserError,
+# and "unknown config key '?'".
+BAD_OVERRIDES = {
+    "data.train_files=[unclosed": "override 'data.train_files=[unclosed': its value is not valid YAML (did not find "
+                                  "expected ',' or ']'); a list is written [a, b], and a value holding YAML's "
+                                  "[ ] { } : # or a quote is quoted, e.g. key='a: b'",
+    "train.steps={a": "override 'train.steps={a': its value is not valid YAML (did not find expected ',' or '}')",
+    'train.lr="0.1': "override 'train.lr=\"0.1': its value is not valid YAML (found unexpected end of stream)",
+    "=3": "override '=3' has no key before '=': write key=value, e.g. train.steps=100",
+    " =3": "override ' =3' has no key before '='",
+    "train.=3": "override 'train.=3': the key 'train.' has an empty part between its dots; write the dotted field "
+                "name, e.g. train.steps=100",
+    ".steps=3": "override '.steps=3': the key '.steps' has an empty part between its dots",
+}
+CLI_OVERRIDES = ["data.train_files=[unclosed", "=3"]
+
+
+@pytest.mark.parametrize("override", list(BAD_OVERRIDES))
+def test_a_bad_override_is_one_line_naming_it(override):
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(None, ["train.steps=5", override])
+    message = one_line(excinfo)
+    assert message.startswith(BAD_OVERRIDES[override]), message
 
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    """``examples/pretrain_mtp.py --config FILE`` for each case, in one process (cli_batch)."""
+    """``examples/pretrain_mtp.py --config FILE`` for each case, and with each of CLI_OVERRIDES, in
+    one process (cli_batch)."""
     d = tmp_path_factory.mktemp("cli")
     paths = {}
     for case in CLI_CASES:
@@ -67,16 +93,19 @@ def cli_runs(tmp_path_factory):
         if case != "directory":
             paths[case].write_bytes(BAD_FILES[case][0])
     results = run_batch([{"tool": "examples/pretrain_mtp.py", "argv": ["--config", str(paths[case])]}
-                         for case in CLI_CASES], tmp_path_factory.mktemp("batch"))
-    return {case: (paths[case], proc) for case, proc in zip(CLI_CASES, results)}
+                         for case in CLI_CASES]
+                        + [{"tool": "examples/pretrain_mtp.py", "argv": [override]} for override in CLI_OVERRIDES],
+                        tmp_path_factory.mktemp("batch"))
+    return {case: (f"config file {paths[case]}", proc) for case, proc in zip(CLI_CASES, results)} | {
+        override: (BAD_OVERRIDES[override], proc) for override, proc in zip(CLI_OVERRIDES, results[len(CLI_CASES):])}
 
 
-@pytest.mark.parametrize("case", CLI_CASES)
+@pytest.mark.parametrize("case", CLI_CASES + CLI_OVERRIDES)
 def test_the_cli_prints_one_error_line_and_exits_2(cli_runs, case):
-    path, proc = cli_runs[case]
+    start, proc = cli_runs[case]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: config file {path}"), proc.stderr[-2000:]
+    assert proc.stderr.strip().startswith(f"error: {start}"), proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
 
 
 SIZES = [

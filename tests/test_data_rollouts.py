@@ -156,6 +156,28 @@ def test_bad_slime_dump_is_one_line(tmp_path, case):
     assert str(err.value).startswith(words) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize("content, start", [(b'{"text": "hello"}\n{"text": "world"}\n', "{"),
+                                            (b'\xef\xbb\xbf\n  [{"role": "user"}]\n', "[")])
+def test_jsonl_named_pt_is_one_line_saying_it_is_text(tmp_path, content, start):
+    """(issue 48 item 17) JSON lines in a file named x.pt: torch.load's error advised re-running with
+    weights_only=False (which runs a file's code); now one line says the file is text."""
+    path = tmp_path / "x.pt"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as err:
+        read(path)
+    assert str(err.value) == (f"{path}: named like a torch file (a slime rollout dump) but it is text starting with "
+                              f"'{start}' (JSON lines?); a file is read by its extension: rename it to .jsonl")
+    path.write_bytes(b"\x80\x02not a torch file")  # neither text nor torch: still no weights_only advice
+    with pytest.raises(DataError) as err:
+        read(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: cannot load it as a torch file (a slime rollout dump): ") and \
+        "weights_only=False" not in message and "\n" not in message, message
+    path.rename(tmp_path / "x.jsonl")  # the way out the line gives: the same content trains as JSON lines
+    (tmp_path / "x.jsonl").write_bytes(content.replace(b'[{"role": "user"}]', b'{"text": "hi"}'))
+    assert len(read(tmp_path / "x.jsonl")) >= 1
+
+
 def test_a_head_trains_from_token_ids_in_parquet_as_from_text(tmp_path):
     """End to end: the trainer (examples/pretrain_mtp.py, 3 steps, TP=1) on token-id records in a
     Parquet file logs the losses of the same run on the text lines they came from."""

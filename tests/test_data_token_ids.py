@@ -104,7 +104,16 @@ BAD = {
     "both mask and labels": ({"input_ids": [1, 2], "loss_mask": [1, 1], "labels": [1, 2]}, "both 'loss_mask' and 'labels'"),
     "both id formats": ({"input_ids": [1, 2], "response_ids": [1]}, "has both 'input_ids' and 'prompt_ids/response_ids'"),
     "missing response_ids": ({"prompt_ids": [1, 2]}, "missing field 'response_ids'"),
-    "nothing trained": ({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}, "no trained token"),
+    # (issue 48 item 16) Token ids have neither tokenization nor a chat template: the message said to check them.
+    "nothing trained": ({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]},
+                        "'loss_mask' is 0 everywhere: this line trains no token (1 marks the tokens to train)"),
+    "labels all ignored": ({"input_ids": [1, 2, 3], "labels": [-100, -100, -100]},
+                           "'labels' is -100 everywhere: this line trains no token"),
+    "first token only": ({"input_ids": [1, 2, 3], "loss_mask": [1, 0, 0]},
+                         "'loss_mask' marks only the first token, which is never trained (nothing before it "
+                         "predicts it): this line trains no token"),
+    "one token": ({"prompt_ids": [], "response_ids": [7]},
+                  "'prompt_ids' + 'response_ids' holds a single token, and a row's first token is never trained"),
 }
 
 
@@ -116,6 +125,7 @@ def test_bad_token_id_line_is_one_path_line_error(tmp_path, case):
         read_jsonl(str(path), ByteTokenizer(), progress=False, vocab_size=512)
     message = str(err.value)
     assert message.startswith(f"{path}:3: ") and words in message and "\n" not in message, message
+    assert "tokenization" not in message and "template" not in message, message
 
 
 def test_bad_token_id_lines_are_skipped_and_counted(tmp_path):

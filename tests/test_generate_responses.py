@@ -408,6 +408,108 @@ def test_cli_errors(tmp_path, capsys):
         assert "Traceback" not in stderr
 
 
+def _failing_writes_under(monkeypatch, folder, code: int) -> None:
+    """Opening a file under ``folder`` for writing fails with ``OSError(code)``, as on a read-only
+    file system (the tests run as root, whom chmod does not stop)."""
+    import os
+
+    real_open, real_builtin_open = os.open, open
+    flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+    def under(path) -> bool:
+        return str(os.path.abspath(path)).startswith(str(folder) + os.sep)
+
+    def fake_os_open(path, flag, *a, **k):
+        if under(path) and flag & flags:
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flag, *a, **k)
+
+    def fake_open(path, mode="r", *a, **k):
+        if isinstance(path, (str, os.PathLike)) and under(path) and set(mode) & set("wax+"):
+            raise OSError(code, os.strerror(code), str(path))
+        return real_builtin_open(path, mode, *a, **k)
+
+    monkeypatch.setattr(os, "open", fake_os_open)
+    monkeypatch.setattr("builtins.open", fake_open)
+
+
+def test_out_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch, server):
+    """(issue 48 item 11) --out in a directory that does not exist: FileNotFoundError on <out>.lock;
+    --out on a read-only file system: a traceback. Now one line each, exit 2, before any request,
+    and nothing is created."""
+    import errno
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi"}])
+    args = ["--prompts", prompts, "--endpoint", server.url, *FAST]
+    missing = tmp_path / "missing" / "dir" / "x.jsonl"
+    status, _, stderr = run_tool(capsys, *args, "--out", missing)
+    assert status == 2 and "Traceback" not in stderr
+    assert error_lines(stderr) == [f"error: --out {missing}: the directory {missing.parent} does not exist; "
+                                   "create it first"]
+    assert not (tmp_path / "missing").exists() and not server.requests
+
+    readonly = tmp_path / "ro"
+    readonly.mkdir()
+    out = readonly / "x.jsonl"
+    _failing_writes_under(monkeypatch, readonly, errno.EROFS)
+    status, _, stderr = run_tool(capsys, *args, "--out", out)
+    monkeypatch.undo()
+    assert status == 2 and "Traceback" not in stderr
+    assert error_lines(stderr) == [f"error: --out {out} cannot be written (Read-only file system: {out}.lock)"]
+    assert list(readonly.iterdir()) == [] and not server.requests
+    assert prompts.read_text() == '{"id": "a", "prompt": "hi"}\n'
+
+
+def test_full_disk_is_one_line_with_exit_74(tmp_path, capsys, monkeypatch, server):
+    """A full disk at the lock (its write fails after the file was created: no empty lock is left
+    to refuse the next run) and in the middle of the run (the samples written so far stay, and
+    the same command resumes): one line, exit status 74."""
+    import errno
+    import os
+
+    import bebop_megatron.data.generate as generate
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": f"question {i}"} for i in range(3)])
+    out = tmp_path / "out.jsonl"
+    args = ["--prompts", prompts, "--endpoint", server.url, "--out", out, *FAST]
+    real_fsync = os.fsync
+
+    def full_fsync(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what write() raises: no file name
+
+    monkeypatch.setattr(os, "fsync", full_fsync)
+    status, _, stderr = run_tool(capsys, *args)
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert status == 74 and "Traceback" not in stderr
+    assert error_lines(stderr) == [f"error: --out {out}: no space left on device while writing {out}"]
+    assert list(tmp_path.iterdir()) == [prompts] and not server.requests
+
+    class FullAfter:  # the output file: room for 2 samples
+        def __init__(self, f):
+            self.f, self.lines = f, 0
+
+        def write(self, data):
+            if self.lines == 2:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.lines += 1
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    monkeypatch.setattr(generate, "open", lambda path, mode="r", *a, **k: FullAfter(open(path, mode)) if mode == "ab"
+                        else open(path, mode, *a, **k), raising=False)
+    status, _, stderr = run_tool(capsys, *args)
+    monkeypatch.undo()
+    assert status == 74 and "Traceback" not in stderr
+    assert error_lines(stderr) == [f"error: --out {out}: no space left on device while writing {out}; 2 samples "
+                                   "written in this run (run the same command again to resume)"]
+    assert len(read_out(out)) == 2 and not (tmp_path / "out.jsonl.lock").exists()
+    status, _, stderr = run_tool(capsys, *args)
+    assert status == 0 and "1 to generate, 2 already in" in stderr
+    assert len(read_out(out)) == 3
+
+
 def test_cli_subprocess_malformed_line(tmp_path):
     """The real entry point: one error line naming PATH:LINE, status 2, no traceback."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}, '{"prompt": 3}'])

@@ -74,6 +74,34 @@ def test_preemption_handler_records_the_signal(sig):
     assert exc.value.code == REQUEUE_EXIT_CODE == 75
 
 
+def test_ctrl_c_is_recorded_once_and_a_second_one_stops_at_once(capfd):
+    """(issue 48 item 13) The first SIGINT is recorded as SIGTERM is (the trainer saves at the next
+    step and exits 130) with one line; a second raises KeyboardInterrupt; uninstall gives Ctrl-C back."""
+    from bebop_megatron.training.signals import INTERRUPT_EXIT_CODE, Preempted, PreemptionHandler, stop_message
+
+    before = signal.getsignal(signal.SIGINT)
+    handler = PreemptionHandler(interrupt_notice="Ctrl-C: saving").install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert (handler.received, handler.interrupted, handler.preempted) == ("SIGINT", True, None)
+        os.kill(os.getpid(), signal.SIGTERM)  # a preemption after it: recorded too (its exit status wins)
+        assert (handler.received, handler.preempted) == ("SIGINT", "SIGTERM")
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        handler.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert capfd.readouterr().err.splitlines() == [
+        "Ctrl-C: saving", "Ctrl-C again: stopping now, without the checkpoint of this step"]
+    assert stop_message("SIGINT", "c/iter_0000005", 5, interrupted=True) == (
+        "SIGINT (Ctrl-C): checkpoint c/iter_0000005 at step 5; exiting with 130 (train.resume=auto continues from it)")
+    assert stop_message(None, None, 5, interrupted=True) == (  # another rank got it; nothing to save into
+        "SIGINT (Ctrl-C): checkpoint (none: save.dir is null) at step 5; exiting with 130")
+    with pytest.raises(SystemExit) as exc:
+        raise Preempted("saved", INTERRUPT_EXIT_CODE)
+    assert exc.value.code == INTERRUPT_EXIT_CODE == 130
+
+
 def test_the_stop_line_says_when_the_launcher_is_gone(monkeypatch):
     """(issue 26 item 23) After the watchdog's SIGTERM the last line read "SIGTERM: ... so that the
     launcher requeues the job", after an "error:" line: now it says what happened."""

@@ -8,6 +8,7 @@ its tracebacks / unclear lines), all in this process (parse_args / main):
   ZeroDivisionError and ``--max-tensor-parallel -8`` named model.padded_vocab_size;
   ``convert_to_hf --tolerance -1`` / ``nan`` wrote the export and then blamed it;
 - ``speculative_generate --json`` into a missing directory failed after all the decoding;
+  ``speculative_generate --limit 0`` said "no prompt in the file" (issue 48 item 21);
   ``eval_acceptance --out-dir`` an existing file was a FileExistsError at the end;
 - the JSON the tools write holds ``null``, never bare ``NaN`` (``cli.write_json``).
 """
@@ -82,6 +83,11 @@ def test_negative_counts_are_refused(capsys):
     for flag, value in (("--mtp-num-steps", "0"), ("--max-tensor-parallel", "0"), ("--max-tensor-parallel", "-8"),
                         ("--make-vocab-size-divisible-by", "0")):
         assert usage_error(capsys, "convert_from_hf", [*imp, flag, value]) == f"{flag} must be >= 1, got {value}"
+    spec = ["--checkpoint", "c", "--prompts", "p"]
+    for flag, value in (("--limit", "0"), ("--limit", "-2"), ("--gamma", "0"), ("--max-new-tokens", "0")):
+        # (issue 48 item 21) --limit 0 read no prompt and said "no prompt in the file"
+        assert usage_error(capsys, "speculative_generate", [*spec, flag, value]) == f"{flag} must be >= 1, got {value}"
+    assert load_tool("speculative_generate").parse_args([*spec, "--limit", "1"]).limit == 1
     exp = ["--checkpoint", "c", "--format", "mimo", "--target", "vllm", "--out", "o"]
     for value in ("-1", "0", "nan", "inf"):
         assert usage_error(capsys, "convert_to_hf", [*exp, "--tolerance", value]) == (

@@ -56,7 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      epilog="\n".join(__doc__.split("\n")[1:]))
     parser.add_argument("--prompts", required=True, metavar="FILE", help="prompts JSONL")
     parser.add_argument("--out", required=True, metavar="FILE",
-                        help="output JSONL (appended to; resumed if present); one run at a time (<out>.lock)")
+                        help="output JSONL (its directory must exist; appended to; resumed if present); one run at a "
+                             "time (<out>.lock)")
     backend = parser.add_argument_group("backend (exactly one)")
     backend.add_argument("--hf-dir", metavar="DIR", help="local Hugging Face model directory (transformers)")
     backend.add_argument("--megatron", metavar="DIR",
@@ -129,8 +130,9 @@ def check_args(args: argparse.Namespace) -> None:
                              "was imported from, or serve the model and pass --endpoint")
     if not os.path.isfile(args.prompts):
         raise ValueError(f"--prompts {args.prompts}: file not found")
-    if os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out}: is a directory")
+    from bebop_megatron.cli import check_output_file
+
+    check_output_file(args.out, "--out")  # a directory, or one in a directory that does not exist
     if os.path.exists(args.out) and os.path.samefile(args.prompts, args.out):
         raise ValueError("--out is the prompts file")
     if not args.temperature >= 0:
@@ -148,12 +150,16 @@ def main(argv=None) -> int:
     """Exit status: 0, or 1 when some samples failed; raises ``ValueError`` on user errors."""
     args = parse_args(argv)
     check_args(args)
+    from bebop_megatron.cli import output_write_error
     from bebop_megatron.training import lock
 
     # Two runs appending to one --out would each generate (and write) the samples the other has not
     # written yet: one run per --out, as one training run per save.dir.
     lock_path = f"{args.out}.lock"
-    notice = lock.acquire_file(lock_path, f"--out {args.out}", "--out", "file")
+    try:  # the first write: a read-only file system or a full disk stops the run here
+        notice = lock.acquire_file(lock_path, f"--out {args.out}", "--out", "file")
+    except OSError as err:
+        raise output_write_error(err, "--out", args.out) from None
     if notice:
         print(notice, file=sys.stderr)
     try:
@@ -189,7 +195,12 @@ def _generate(args: argparse.Namespace) -> int:
           + (" (a truncated last line was cut away)" if existing.truncated else ""), file=sys.stderr)
     if not jobs:
         return 0
-    write_settings(args.out, settings)
+    try:
+        write_settings(args.out, settings)
+    except OSError as err:
+        from bebop_megatron.cli import output_write_error
+
+        raise output_write_error(err, "--out", args.out) from None
     if backend is None and args.megatron is not None:
         from bebop_megatron.speculative.generate_backend import MegatronBackend
 

@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=("rs", "to"), default="rs",
                         help="rs: rejection sampling with sampled drafts; to: greedy drafts, target-only")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default 128)")
-    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--limit", type=int, default=None, help="use the first N prompts (N >= 1; default all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
     parser.add_argument("--baseline", action="store_true",
                         help="also decode plainly (one target forward per token) and report the speed-up")
@@ -73,9 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not TEMPERATURES[0] <= args.temperature <= TEMPERATURES[1]:  # NaN fails too
         parser.error(f"--temperature must be in [{TEMPERATURES[0]:g}, {TEMPERATURES[1]:g}], got {args.temperature}")
-    for name in ("gamma", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("gamma", "max_new_tokens", "limit"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:  # --limit 0 said "no prompt in the file"
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
 
 

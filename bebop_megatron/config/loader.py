@@ -7,6 +7,7 @@ import difflib
 import functools
 from typing import Any, Iterable, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -74,9 +75,26 @@ def _quote_string_override(item: str) -> str:
     if "=" not in item:
         raise ConfigError(f"override '{item}' is not of the form key=value")
     key, value = item.split("=", 1)
+    if not key.strip():  # OmegaConf reported "unknown config key '?'"
+        raise ConfigError(f"override '{item}' has no key before '=': write key=value, e.g. train.steps=100")
+    if any(not part.strip() for part in key.split(".")):  # 'train.=3', '.x=3': an empty part of the key
+        raise ConfigError(f"override '{item}': the key '{key}' has an empty part between its dots; write the "
+                          "dotted field name, e.g. train.steps=100")
     if key in _STRING_FIELDS and value.strip().lower() in _YAML_BOOLEANS:
         return f"{key}='{value.strip()}'"
     return item
+
+
+def _override_layer(item: str):
+    """One ``key=value`` override as a config layer; a value YAML cannot parse is one line naming the
+    override (it was yaml's multi-line ParserError, e.g. for ``data.train_files=[unclosed``)."""
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"override '{item}': its value is not valid YAML ({problem}); a list is written "
+                          "[a, b], and a value holding YAML's [ ] { } : # or a quote is quoted, e.g. "
+                          "key='a: b'") from None
 
 
 def _check_string_fields(layer, where: str) -> None:
@@ -122,7 +140,7 @@ def load_config(
             layers.append(layer)
         overrides = [_quote_string_override(item) for item in overrides]
         if overrides:
-            layers.append(OmegaConf.from_dotlist(overrides))
+            layers.append(OmegaConf.merge(*[_override_layer(item) for item in overrides]))
         for layer in layers[1:]:
             _check_sections(layer)
             single_source_as_list(layer)

@@ -25,6 +25,7 @@ the policy emitted (decoding and re-encoding does not give them back in general)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -323,6 +324,28 @@ def output_line(job: Job, result: Completion) -> bytes:
     return (json.dumps(output_record(job, result), ensure_ascii=False) + "\n").encode("utf-8")
 
 
+class _OutputError(Exception):
+    """The OSError of writing the output file (not one of a backend's), carried out of the loop."""
+
+
+@contextlib.contextmanager
+def _appending(path: str):
+    try:
+        f = open(path, "ab")
+    except OSError as err:
+        raise _OutputError(err) from None
+    try:
+        yield f
+    except BaseException:
+        with contextlib.suppress(OSError):  # a failed write's bytes are still buffered: close() fails too
+            f.close()
+        raise
+    try:
+        f.close()
+    except OSError as err:
+        raise _OutputError(err) from None
+
+
 def run_generation(backend: Backend, jobs: list[Job], out_path: str, existing: ExistingOutput, *,
                    dedupe_responses: bool = False, progress: bool = True) -> Summary:
     """Generate ``jobs`` with ``backend``, appending each kept sample to ``out_path`` at once.
@@ -331,14 +354,16 @@ def run_generation(backend: Backend, jobs: list[Job], out_path: str, existing: E
     with ``dedupe_responses`` so is a response equal to one already written for the same
     prompt (earlier in completion order). Dropped and failed samples are not written, so a
     rerun tries them again. Failures print one ``error:`` line each. On Ctrl-C, says how
-    many samples were written and re-raises ``KeyboardInterrupt``.
+    many samples were written and re-raises ``KeyboardInterrupt``; a sample that cannot be
+    written (a full disk) stops the run with one line saying how many were
+    (:func:`bebop_megatron.cli.output_write_error`).
     """
     summary, start = Summary(), time.perf_counter()
     bar = tqdm(total=len(jobs), unit="sample", desc="generating", file=sys.stderr, dynamic_ncols=True,
                disable=True if not progress else None)  # None: only on a TTY
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     try:
-        with open(out_path, "ab") as f, bar:
+        with _appending(out_path) as f, bar:
             for job, result in backend.generate(jobs):
                 bar.update(1)
                 summary.seconds = time.perf_counter() - start
@@ -363,9 +388,17 @@ def run_generation(backend: Backend, jobs: list[Job], out_path: str, existing: E
                         summary.num_duplicate_responses += 1
                         continue
                     seen.add(digest)
-                f.write(line)
-                f.flush()  # an interrupted run keeps every finished sample
+                try:
+                    f.write(line)
+                    f.flush()  # an interrupted run keeps every finished sample
+                except OSError as err:
+                    raise _OutputError(err) from None
                 summary.num_written += 1
+    except _OutputError as failed:
+        from bebop_megatron.cli import output_write_error
+
+        raise output_write_error(failed.args[0], "--out", out_path, f"{summary.num_written} samples written in "
+                                 "this run (run the same command again to resume)") from None
     except KeyboardInterrupt:
         print(f"\ninterrupted: {summary.num_written} samples written to {out_path} in this run "
               "(run the same command again to resume)", file=sys.stderr)

@@ -187,8 +187,26 @@ def encode_record(obj, tokenizer: Tokenizer, train_on: str, vocab_size: Optional
     if train_on == "all":
         trained = [1] * len(ids)
     elif not any(trained[1:]):
+        if encoded is not None:  # token ids: no tokenization, no chat template; the line's own fields say why
+            raise LineError("nothing to train", _ids_train_nothing(obj, trained))
         raise LineError("nothing to train", "no trained token after tokenization (check the chat template)")
     return ids, trained
+
+
+def _ids_train_nothing(obj: dict, trained: list[int]) -> str:
+    """Why a token-id line (:func:`encode_ids`) trains no token: a row's first token is never a
+    target (no position before it predicts it)."""
+    ids = "'input_ids'" if "input_ids" in obj else "'prompt_ids' + 'response_ids'"
+    if len(trained) == 1:
+        return f"{ids} holds a single token, and a row's first token is never trained (nothing before it predicts " \
+               "it): this line trains no token"
+    if any(trained):  # the first token alone
+        marks = "'loss_mask' marks" if "loss_mask" in obj else "'labels' mark" if "labels" in obj else "the line marks"
+        return f"{marks} only the first token, which is never trained (nothing before it predicts it): this line " \
+               "trains no token"
+    if "labels" in obj:
+        return "'labels' is -100 everywhere: this line trains no token (the trained positions hold their input id)"
+    return "'loss_mask' is 0 everywhere: this line trains no token (1 marks the tokens to train)"
 
 
 def _encode_text(obj: dict, tokenizer: Tokenizer) -> tuple[list[int], list[int]]:

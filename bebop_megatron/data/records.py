@@ -103,14 +103,40 @@ def iter_parquet(path: str) -> Iterator[dict]:
             yield {k: v for k, v in row.items() if v is not None}
 
 
+def _text_start(path: str) -> str | None:
+    """The first non-blank character of ``path`` when the file starts as UTF-8 text opening JSON
+    (``{`` or ``[``), else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.reason != "unexpected end of data":  # not text (a character cut at the end of the read is)
+            return None
+        text = head[:err.start].decode("utf-8")
+    start = text.lstrip("\ufeff \t\r\n")[:1]
+    return start if start in ("{", "[") else None
+
+
 def iter_torch(path: str) -> Iterator:
     """The ``samples`` of a slime rollout dump (a torch file)."""
+    start = _text_start(path)
+    if start is not None:  # torch.load's error advised weights_only=False (running the file's code)
+        raise DataError(f"{path}: named like a torch file (a slime rollout dump) but it is text starting with "
+                        f"'{start}' (JSON lines?); a file is read by its extension: rename it to .jsonl")
     import torch
 
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise DataError(f"{path}: cannot load it as a torch file (a slime rollout dump): {_one_line(err)}") from None
+        reason = _one_line(err)
+        if "weights_only" in reason:  # not torch's advice to load with weights_only=False: it runs the file's code
+            reason = ("it is not a torch file, or it holds Python objects other than tensors, dicts, lists, strings "
+                      "and numbers, which are not loaded (weights_only=True: a data file runs no code)")
+        raise DataError(f"{path}: cannot load it as a torch file (a slime rollout dump): {reason}") from None
     samples = obj.get("samples") if isinstance(obj, dict) else None
     if not isinstance(samples, list):
         raise DataError(f"{path}: not a slime rollout dump (a dict with a 'samples' list, as slime's "

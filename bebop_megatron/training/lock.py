@@ -80,10 +80,17 @@ def _create(path: str, me: dict) -> bool:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        json.dump(me, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk: no empty lock file left to refuse the next run
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        raise
     return True
 
 

@@ -48,7 +48,13 @@ from bebop_megatron.model.cp_attention import shard_sequence
 from bebop_megatron.training.precision import check_cpu_bf16
 from bebop_megatron.training.resume import agree_on_start
 from bebop_megatron.training.schedule import run_microbatches
-from bebop_megatron.training.signals import Preempted, PreemptionHandler, stop_message
+from bebop_megatron.training.signals import (
+    INTERRUPT_EXIT_CODE,
+    REQUEUE_EXIT_CODE,
+    Preempted,
+    PreemptionHandler,
+    stop_message,
+)
 from bebop_megatron.training.step_metrics import (
     StepMetrics,
     count_parameters,
@@ -124,8 +130,10 @@ class Trainer:
         for notice in self.start_plan.notices:
             self.log(notice)
         self.monitor = Monitor(cfg, self.rank, self.log)  # TensorBoard / wandb on rank 0
-        self.preemption = PreemptionHandler().install()
+        self.preemption = PreemptionHandler(interrupt_notice=self._interrupt_notice()).install()
         self.stop_requested = False  # all ranks agree on it at each optimizer step
+        self.stop_preempted = False  # ... and on why: SIGTERM / SIGUSR1 on some rank (requeue) ...
+        self.stop_interrupted = False  # ... or only Ctrl-C (SIGINT)
         self.guard = NumericsGuard(cfg.train.max_skipped_steps)
         self.async_saver = ckpt.AsyncSaver() if cfg.save.async_save and cfg.save.dir else None
         self.flops = step_flops(cfg)
@@ -280,8 +288,11 @@ class Trainer:
         if self.has_mtp:
             norms = compute_grad_norms(self.optimizer)
             bad = norms.found_inf or not (math.isfinite(norms.total) and local_loss_is_finite(outputs))
-        bad, stop = agree_on_flags(bad, self.preemption.received is not None, device=self._comm_device)
-        self.stop_requested |= stop
+        bad, preempted, interrupted = agree_on_flags(
+            bad, self.preemption.preempted is not None, self.preemption.interrupted, device=self._comm_device)
+        self.stop_preempted |= preempted
+        self.stop_interrupted |= interrupted
+        self.stop_requested |= preempted or interrupted
         self.last_step_skipped = bad
         if self.has_mtp and not bad:
             step_with_norms(self.optimizer, norms)
@@ -373,19 +384,33 @@ class Trainer:
         if self.async_saver is not None:
             self.async_saver.close()
         self.monitor.close()
+        self.preemption.uninstall()  # Ctrl-C is the caller's again
         return history
 
+    def _interrupt_notice(self) -> str:
+        """Rank 0's line at the first Ctrl-C (every rank gets it under torchrun)."""
+        if self.rank != 0:
+            return ""
+        what = "saving a checkpoint" if self.cfg.save.dir else "stopping (save.dir is null: no checkpoint)"
+        return (f"Ctrl-C: {what} when this training step ends, then exiting with {INTERRUPT_EXIT_CODE} "
+                "(Ctrl-C again stops at once, without it)")
+
     def _exit_for_requeue(self, saved: bool) -> None:
-        """Preemption (SIGTERM / SIGUSR1): save a complete checkpoint, exit with 75."""
+        """Preemption (SIGTERM / SIGUSR1): save a complete checkpoint, exit with 75; Ctrl-C
+        (SIGINT, no preemption signal on any rank): the same, exit with 130."""
         path = os.path.join(self.cfg.save.dir, f"iter_{self.step:07d}") if saved else None
         if self.cfg.save.dir and not saved:
             path = self.save()
         if self.async_saver is not None:
             self.async_saver.close()
-        message = stop_message(self.preemption.received, path, self.step, launcher.gone())
+        gone = launcher.gone()
+        interrupted = self.stop_interrupted and not self.stop_preempted and gone is None
+        # a preemption's line names this rank's preemption signal (None: it reached another rank)
+        received = "SIGINT" if interrupted else self.preemption.preempted
+        message = stop_message(received, path, self.step, gone, interrupted=interrupted)
         self.log(message)
         self.monitor.close()
-        raise Preempted(message)
+        raise Preempted(message, INTERRUPT_EXIT_CODE if interrupted else REQUEUE_EXIT_CODE)
 
     def format(self, m: StepMetrics, elapsed: float) -> str:
         return step_line(m, elapsed, steps=self.cfg.train.steps, loss_type=self.cfg.loss.type,
