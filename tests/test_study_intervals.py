@@ -7,7 +7,16 @@
   outer, responses inner, corrected for few seeds) equals the t-interval when the responses add
   nothing and covers at least 95% - 3% when they do; the response-only interval, which leaves the
   seeds out, covers far less (why the report labels it);
-- the hierarchical bootstrap against an explicit float64 loop of its resamples.
+- the hierarchical bootstrap against an explicit float64 loop of its resamples;
+- the report (:mod:`bebop_megatron.study.report`) of fake finished runs: a partial study counts what
+  finished and names the missing runs and the objectives that never ran (issue 48 item 6); a leader
+  only where the t-interval excludes 0, its interval against the hand-computed one; pairs without 2
+  shared seeds name no leader; a decode-exact number at a temperature other than the held-out
+  text's is marked approximate and drives no recommendation (issue 47 item 2), text of unknown
+  temperature too;
+- the committed SmolLM2 study: its RESULTS.md and results.csv are what ``report_from_pack`` writes
+  from its packed state, and its seed-level numbers are the issue's, recomputed from rows.npz; a
+  damaged pack is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -242,3 +251,76 @@ def test_report_decode_exact_at_another_temperature_is_approximate(tmp_path, tex
         assert "fresh, T=1: **e2e_nla** leads" in rec and "exact only if the held-out text was sampled from this " \
             "model at T=1" in rec
         assert "fresh, T=0.7: no recommendation: the held-out text's sampling temperature is not known" in rec
+
+
+# ----------------------------------------------------------------------------- the committed SmolLM2 study
+
+STUDY = __import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks" / "real_model" / "study_smollm2_cpu"
+
+
+def test_committed_study_report_is_rebuilt_from_its_state(tmp_path):
+    """The committed RESULTS.md is what report_from_pack writes from the committed state (no model),
+    and its seed-level numbers are the issue's, recomputed here from rows.npz with plain numpy:
+    e2e_nla - ce +0.016 / +0.044 / +0.050, t-interval [-0.009, +0.082]; against kl [+0.003, +0.056]."""
+    import json
+
+    from bebop_megatron.study.report import report_from_pack
+
+    def decode_exact(objective, seed):
+        with np.load(STUDY / "state" / "runs" / "fresh" / objective / f"seed{seed}" / "rows.npz") as z:
+            acc, ver = z["1|decode_rs"].sum(0)
+        return acc / ver
+
+    for ref, (lo, hi), per_seed in (("ce", (-0.009, 0.082), (0.016, 0.044, 0.050)),
+                                    ("kl", (0.003, 0.056), (0.017, 0.034, 0.036))):
+        d = np.array([decode_exact("e2e_nla", s) - decode_exact(ref, s) for s in range(3)])
+        half = 4.302653 * d.std(ddof=1) / np.sqrt(3)
+        assert np.round(d, 3) == pytest.approx(per_seed, abs=1e-12)
+        assert (round(d.mean() - half, 3), round(d.mean() + half, 3)) == pytest.approx((lo, hi), abs=1e-12)
+    out = tmp_path / "out"
+    plan = json.loads((STUDY / "summary.json").read_text())["plan"]
+    report_from_pack(STUDY / "state", tmp_path / "work", out, plan, num_boot=1000)
+    assert (out / "RESULTS.md").read_text() == (STUDY / "RESULTS.md").read_text()
+    assert (out / "results.csv").read_text() == (STUDY / "results.csv").read_text()
+    text = (out / "RESULTS.md").read_text()
+    assert "e2e_nla (0.223 [0.202, 0.243]) from ce (difference +0.036 [-0.009, +0.082]" in text
+    assert "kl (+0.029 [+0.003, +0.056])" in text and "**" not in text.split("## Condition")[0]  # no leader
+
+
+def test_report_from_pack_refuses_a_damaged_pack(tmp_path):
+    import shutil
+
+    from bebop_megatron.study.log import StudyError
+    from bebop_megatron.study.report import report_from_pack
+
+    pack = tmp_path / "pack"
+    shutil.copytree(STUDY / "state" / "runs" / "fresh" / "kl" / "seed0", pack / "runs" / "fresh" / "kl" / "seed0")
+    manifest = __import__("json").loads((STUDY / "state" / "MANIFEST.json").read_text())
+    manifest["runs"] = {"fresh/kl/seed0": manifest["runs"]["fresh/kl/seed0"]}
+    (pack / "MANIFEST.json").write_text(__import__("json").dumps(manifest))
+    rows = pack / "runs" / "fresh" / "kl" / "seed0" / "rows.npz"
+    blob = bytearray(rows.read_bytes())
+    blob[-1] ^= 1
+    rows.write_bytes(bytes(blob))
+    with pytest.raises(StudyError, match=r"runs/fresh/kl/seed0/rows.npz is missing or differs from MANIFEST.json's"):
+        report_from_pack(pack, tmp_path / "work", tmp_path / "out", {"objectives": ["kl"]})
+    assert not (tmp_path / "work").exists()  # nothing written
+    (tmp_path / "w2").mkdir()
+    (tmp_path / "w2" / "x").write_text("")
+    with pytest.raises(StudyError, match="not an empty folder"):
+        report_from_pack(pack, tmp_path / "w2", tmp_path / "out", {"objectives": ["kl"]})
+
+
+def test_report_pairs_without_two_shared_seeds_name_no_leader(tmp_path):
+    from bebop_megatron.study.report import write_report
+
+    # e2e_nla finished only seed 2, ce only seeds 0 and 1: no seed in common, no interval, no leader
+    runs_of = {("ce", 0): 0.20, ("ce", 1): 0.21, ("e2e_nla", 2): 0.30}
+    plan = fake_study(tmp_path, runs_of, seeds=[0, 1, 2], objectives=["ce", "e2e_nla"])
+    write_report(plan, num_boot=50)
+    text = (plan.out / "RESULTS.md").read_text()
+    rec = text.split("### Recommendation")[1]
+    assert "fresh, T=1: no leader" in rec and "no seed-level interval for e2e_nla against ce (0 seeds in common)" in rec
+    assert "seeds per objective: ce 2, e2e_nla 1" in rec and "**" not in rec
+    assert "| e2e_nla | 0 | no seed in common |" in text
+    assert "| e2e_nla | 1 | 0.300 [n/a] |" in text.split("### T=1: held-out")[1]

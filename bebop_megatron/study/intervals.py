@@ -26,14 +26,15 @@ number per seed (the runs of one seed share their initialisation, data order and
 - :func:`t_interval`: the paired t-interval over seeds, mean +- t(S-1) * sd / sqrt(S) (Student t
   with S - 1 degrees of freedom, :func:`t_quantile`); the study's interval. It needs S >= 2.
 - :func:`hierarchical_bootstrap`: the check. One resample draws S seeds with replacement
-  (``rng.integers(0, S, S)``, outer) and the n texts (``rng.integers(0, n, n)``, inner; drawn as
-  ``[num_boot, S]`` seeds, then ``[num_boot, n]`` texts; one draw of texts for the drawn seeds, as every seed is evaluated on the same texts: the difference stays
-  paired); its value is the mean over the drawn seeds of each seed's statistic over the drawn
-  texts. Resampling S seeds from S shrinks their variance by (S-1)/S and the percentiles of a
-  3-seed resample cannot reach past the extreme seeds, so the interval is the bootstrap's
-  standard error, corrected by sqrt(S/(S-1)), times the t(S-1) quantile, around the value. It
-  adds the uncertainty of the texts shared by the seeds; with little of it, it equals the
-  t-interval.
+  (``rng.integers(0, S, S)``, outer) and the n texts (``rng.integers(0, n, n)``, inner), drawn
+  as ``[num_boot, S]`` seeds, then ``[num_boot, n]`` texts. One draw of texts serves the drawn
+  seeds, as every seed is evaluated on the same texts: the difference stays paired. Its value is
+  the mean over the drawn seeds of each seed's statistic over the drawn texts. Resampling S seeds
+  from S shrinks their variance by (S-1)/S and the percentiles of a 3-seed resample cannot reach
+  past the extreme seeds, so the interval is the bootstrap's standard error, corrected by
+  sqrt(S/(S-1)), times the t(S-1) quantile, around the value. It adds the uncertainty of the
+  texts every seed shares (and counts each seed's own text noise twice: it errs wide); with no
+  text noise it is the t-interval.
 - :func:`paired_bootstrap` / :func:`response_bootstrap`: responses only, seeds fixed (the mean over
   every seed of its statistic over the drawn texts; percentile interval): what another set of
   held-out prompts would change, not what another training seed would. Labelled as such.

@@ -123,7 +123,8 @@ def recommendation(condition: str, tau: str, stats: dict, diffs: dict, key: str,
         cell = diffs[(leader, o)][key]
         lo, hi = cell["t"]
         if not (np.isfinite(lo) and np.isfinite(hi)):
-            unresolved.append(f"{o} ({len(cell['per_seed'])} seed{'s' if len(cell['per_seed']) != 1 else ''} in common)")
+            shared = len(cell["per_seed"])
+            unresolved.append(f"{o} ({shared} seed{'s' if shared != 1 else ''} in common)")
         elif lo > 0:
             ahead.append(f"{o} ({fmt(cell, signed=True)})")
             if not cell["hierarchical"][0] > 0:
@@ -224,8 +225,10 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
              "decoding measures (a verification starts after a rejection or a bonus token, not at every position).",
              "",
              (f"Held-out text: sampled at T={text_tau:g} ({text_source}). The decode-exact E[L] is exact only on "
-              f"text sampled at its own temperature: at {', '.join(f'T={t}' for t in taus if not exact[t]) or 'no T'} "
-              "it is approximate (marked ≈) and drives no recommendation." if text_tau is not None else
+              "text sampled at its own temperature: "
+              + (f"at {', '.join(f'T={t}' for t in taus if not exact[t])} it is approximate (marked ≈) and drives no "
+                 "recommendation." if not all(exact.values()) else "here it is, at every temperature.")
+              if text_tau is not None else
               f"Held-out text: {text_source}; the decode-exact E[L] is exact only if that text was sampled from this "
               f"model at the temperature of the number: the T={taus[0]} recommendation holds under that condition "
               "(the CSV's `approximate`: unknown), and every other temperature's decode-exact number is marked ≈ "
@@ -320,7 +323,8 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
                     c = d[key]
                     lines.append(f"| {o} | {len(seeds)} | {per_seed_text(c)} | {fmt(c, signed=True)} | "
                                  f"{fmt_interval(c['hierarchical'])} | {fmt_interval(c['responses'])} | "
-                                 f"{fmt(d['alpha_rs_step1'], signed=True)} | {fmt(d[f'accept_len_rs_g{G}'], signed=True)} |")
+                                 f"{fmt(d['alpha_rs_step1'], signed=True)} | "
+                                 f"{fmt(d[f'accept_len_rs_g{G}'], signed=True)} |")
                     for k in diff_keys:
                         csv_row(o, ref, tau, seeds, f"diff_{k}", d[k])
                 lines.append("")
@@ -393,17 +397,21 @@ def report_from_pack(src: Path, work: Path, out: Path, plan_fields: dict, *, num
     from bebop_megatron.study.pack import MANIFEST, PROVENANCE, RESPONSES_FILE, machine
 
     src, work = Path(src), Path(work)
-    if work.exists() and any(work.iterdir()):
-        raise StudyError(f"{work}: not empty (the pack's runs are restored into an empty folder)")
+    if work.exists() and (not work.is_dir() or any(work.iterdir())):
+        raise StudyError(f"{work}: not an empty folder (the pack's runs are restored into an empty folder)")
     manifest = json.loads((src / MANIFEST).read_text())
+    files = {}  # every file checked before anything is written
     for name, entry in sorted((manifest.get("runs") or {}).items()):
-        folder = work / "runs" / name
-        folder.mkdir(parents=True, exist_ok=True)
         for f, sha in (("rows.npz", entry.get("rows_sha256")), ("record.json", entry.get("record_sha256"))):
-            blob = (src / "runs" / name / f).read_bytes()
+            path = src / "runs" / name / f
+            blob = path.read_bytes() if path.is_file() else b""
             if hashlib.sha256(blob).hexdigest() != sha:
-                raise StudyError(f"{src}: runs/{name}/{f} differs from {MANIFEST}'s sha256 (a damaged pack)")
-            (folder / f).write_bytes(blob)
+                raise StudyError(f"{src}: runs/{name}/{f} is missing or differs from {MANIFEST}'s sha256 (a damaged "
+                                 "pack)")
+            files[work / "runs" / name / f] = blob
+    for path, blob in files.items():  # rows.npz before record.json: a run is finished once both exist
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(blob)
     if (src / "responses" / RESPONSES_FILE).is_file():
         (work / "data").mkdir(parents=True, exist_ok=True)
         (work / "data" / RESPONSES_FILE).write_bytes((src / "responses" / RESPONSES_FILE).read_bytes())
