@@ -1,4 +1,4 @@
-"""Which objective trains the best MTP head on your model? Seeds, intervals over responses, decode-exact E[L].
+"""Which objective trains the best MTP head on your model? Seeds as the unit of the intervals, decode-exact E[L].
 
     # a model by its registry name (benchmarks/real_model/models.py) or an HF folder, prompts
     # (one JSONL file, or a folder of train.jsonl and heldout.jsonl): the model's own answers at T=1
@@ -26,8 +26,9 @@ statistics, per position, with the response of every position); last the report 
 RESULTS.md (tables, paired differences against ce and kl with 95% t-intervals over seeds, a
 hierarchical bootstrap check and the response-only interval; a recommendation line per condition
 and temperature, none where the held-out text was sampled at another temperature; a partial study
-names its missing runs), results.csv, curves_<condition>.png, summary.json. --pack DIR writes the study's portable state (its responses without the prompts, the
-finished runs' records and rows, MANIFEST.json) into DIR and stops; --unpack DIR restores it into
+names its missing runs), results.csv, curves_<condition>.png, summary.json. --pack DIR writes the
+study's portable state (its responses without the prompts, the finished runs' records and rows,
+MANIFEST.json) into DIR and stops; --unpack DIR restores it into
 --work before the stages (each response line rebuilt from --prompts and the model's tokenizer and
 checked against the pack's sha256); the existing condition's ce heads are not packed (weights):
 retrained when needed. See docs/study.md.

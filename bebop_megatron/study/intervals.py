@@ -1,4 +1,4 @@
-"""Held-out statistics of a trained head and their 95% intervals over responses (and seeds).
+"""Held-out statistics of a trained head and their 95% intervals: over seeds (the unit), and over responses.
 
 Legend: K MTP steps, G gamma, N positions, n texts (held-out responses), S seeds.
 
