@@ -42,8 +42,8 @@ def clustered(rng, num_texts: int, per_text: int, rho: float, K: int = 3):
 
 
 def reference(rows_by_seed, texts, gamma, num_boot, seed, rows_b=None, name="alpha_rs_step1"):
-    """Float64, explicit: per resample draw seeds (when several), then responses, gather their
-    positions and recompute the statistic from scratch per drawn seed; mean over drawn seeds."""
+    """Float64, explicit, responses only: per resample draw the responses, gather their positions
+    and recompute the statistic from scratch per seed (every seed kept); mean over the seeds."""
     rng = np.random.default_rng(seed)
     n = texts.max() + 1
     members = [np.flatnonzero(texts == t) for t in range(n)]
@@ -60,9 +60,8 @@ def reference(rows_by_seed, texts, gamma, num_boot, seed, rows_b=None, name="alp
     point = np.mean([value(s, np.arange(n)) for s in range(S)])
     samples = []
     for _ in range(num_boot):
-        seeds = rng.integers(0, S, S) if S > 1 else [0]
         picks = rng.integers(0, n, n)
-        samples.append(np.mean([value(s, picks) for s in seeds]))
+        samples.append(np.mean([value(s, picks) for s in range(S)]))
     lo, hi = np.percentile(samples, [2.5, 97.5])
     return point, lo, hi
 
@@ -77,7 +76,7 @@ def test_response_bootstrap_against_float64_reference():
     for name in ("alpha_rs_step1", "alpha_rs_step3", f"accept_len_rs_g{G}", "entropy_slope_rs"):
         got = intervals.response_bootstrap(cols[:1], [name], num_boot=200, seed=3)[name]
         assert got == pytest.approx(reference([rows], text, G, 200, 3, name=name), rel=1e-9, abs=1e-12), name
-    # two seeds: seeds resampled too; and a paired difference (one draw of responses for both runs)
+    # two seeds (kept: responses only); and a paired difference (one draw of responses for both runs)
     got = intervals.response_bootstrap(cols, ["alpha_rs_step1"], num_boot=200, seed=4)["alpha_rs_step1"]
     assert got == pytest.approx(reference([rows, rows2], text, G, 200, 4), rel=1e-9)
     got = intervals.paired_bootstrap(cols[:1], cols[1:], ["accept_len_rs_g3"], num_boot=200, seed=5)
@@ -220,10 +219,12 @@ def test_study_dry_run_every_stage_and_resume(dry_run):
     assert not list(work.glob("heads/*.run"))
     text = (out / "RESULTS.md").read_text()
     assert "## Condition `fresh`" in text and "## Condition `existing`" in text
-    assert "paired difference against ce" in text and "E[L]\\(3) decode-exact" in text and text.count("- fresh: ") == 2  # at the top and in its section
-    assert "(2 seeds, 768 tokens per run" in text
+    # the recommendation per temperature, at the top and in its section; T=0.7: no text sampled at 0.7
+    assert "paired difference against ce" in text and "E[L]\\(3) decode-exact" in text
+    assert text.count("- fresh, T=1: ") == 2 and text.count("- fresh, T=0.7: no recommendation: no T=0.7 text") == 2
+    assert "(2 seeds, 768 tokens per run" in text and "Partial study" not in text
     csv_text = (out / "results.csv").read_text()
-    assert "fresh,e2e_tv,ce,0.7,2,768" in csv_text and "accept_len_decode_rs_g3" in csv_text
+    assert "fresh,e2e_tv,ce,0.7,1,yes,2,0/1,768," in csv_text and ",diff_accept_len_decode_rs_g3," in csv_text
     if importlib.util.find_spec("matplotlib"):
         assert (out / "curves_fresh.png").stat().st_size > 0 and (out / "curves_existing.png").stat().st_size > 0
     assert "NaN" not in (out / "summary.json").read_text() and "NaN" not in (killed / "record.json").read_text()

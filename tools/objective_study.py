@@ -1,4 +1,4 @@
-"""Which objective trains the best MTP head on your model? Seeds, intervals over responses, decode-exact E[L].
+"""Which objective trains the best MTP head on your model? Seeds as the unit of the intervals, decode-exact E[L].
 
     # a model by its registry name (bebop_megatron/hub.py) or an HF folder, prompts
     # (one JSONL file, or a folder of train.jsonl and heldout.jsonl): the model's own answers at T=1
@@ -23,10 +23,12 @@ objective) run, in this process or, with --ranks N, in N processes at tensor par
 training with learning curves (the trainer's held-out pass: alpha, E[L] by Eq. 12 and the
 decode-exact E[L]), the held-out evaluation at T=1 and 0.7 (tools/eval_acceptance.py's
 statistics, per position, with the response of every position); last the report in --out:
-RESULTS.md (tables, paired differences against ce and kl with 95% intervals from a bootstrap over
-responses and seeds, a recommendation line per condition), results.csv, curves_<condition>.png,
-summary.json. --pack DIR writes the study's portable state (its responses without the prompts, the
-finished runs' records and rows, MANIFEST.json) into DIR and stops; --unpack DIR restores it into
+RESULTS.md (tables, paired differences against ce and kl with 95% t-intervals over seeds, a
+hierarchical bootstrap check and the response-only interval; a recommendation line per condition
+and temperature, none where the held-out text was sampled at another temperature; a partial study
+names its missing runs), results.csv, curves_<condition>.png, summary.json. --pack DIR writes the
+study's portable state (its responses without the prompts, the finished runs' records and rows,
+MANIFEST.json) into DIR and stops; --unpack DIR restores it into
 --work before the stages (each response line rebuilt from --prompts and the model's tokenizer and
 checked against the pack's sha256); the existing condition's ce heads are not packed (weights):
 retrained when needed. See docs/study.md.

@@ -1,7 +1,8 @@
 """The objective study (``tools/objective_study.py``): which training objective gives the best
 MTP head on a given model, with intervals that a reviewer accepts.
 
-- :mod:`.intervals`: held-out statistics and their bootstrap intervals over responses and seeds;
+- :mod:`.intervals`: held-out statistics and their intervals: t-intervals over seeds, a
+  hierarchical bootstrap check, responses only;
 - :mod:`.stages`: the import, the model's own responses, their indexed datasets (resumable);
 - :mod:`.runs`: one run (config, training, held-out rows with the text of every position);
 - :mod:`.driver`: every (condition, seed, objective) run, resumable, with progress and ETA;

@@ -1,4 +1,4 @@
-"""Held-out statistics of a trained head and their 95% intervals over responses (and seeds).
+"""Held-out statistics of a trained head and their 95% intervals: over seeds (the unit), and over responses.
 
 Legend: K MTP steps, G gamma, N positions, n texts (held-out responses), S seeds.
 
@@ -19,17 +19,35 @@ a vector of multiplicities over texts, and a statistic of the resample a few dot
   pooled verifications (what speculative decoding measures);
 - ``entropy_slope_rs``: least-squares slope of step-1 alpha_RS against the target's entropy (nats).
 
-Intervals (:func:`response_bootstrap`, :func:`paired_bootstrap`): percentile bootstrap, 1000
-resamples, a fixed seed. One resample draws, in this order, S seeds with replacement
-(``rng.integers(0, S, S)``, only when S > 1) and n texts with replacement
-(``rng.integers(0, n, n)``); the statistic of the resample is the mean over the drawn seeds of
-each seed's statistic over the drawn texts (the held-out texts are the same for every seed and
-objective, so one draw of texts serves all of them: the differences are paired). Positions of
-one response are correlated, so resampling positions (:func:`position_bootstrap`, the older
-tables') gives intervals that are too narrow.
+Intervals, with the **seed** as the unit (docs/study.md, "How the intervals are computed"): a
+run's statistic over every held-out text is one number per seed; a paired difference is one
+number per seed (the runs of one seed share their initialisation, data order and held-out texts).
+
+- :func:`t_interval`: the paired t-interval over seeds, mean +- t(S-1) * sd / sqrt(S) (Student t
+  with S - 1 degrees of freedom, :func:`t_quantile`); the study's interval. It needs S >= 2.
+- :func:`hierarchical_bootstrap`: the check. One resample draws S seeds with replacement
+  (``rng.integers(0, S, S)``, outer) and the n texts (``rng.integers(0, n, n)``, inner), drawn
+  as ``[num_boot, S]`` seeds, then ``[num_boot, n]`` texts. One draw of texts serves the drawn
+  seeds, as every seed is evaluated on the same texts: the difference stays paired. Its value is
+  the mean over the drawn seeds of each seed's statistic over the drawn texts. Resampling S seeds
+  from S shrinks their variance by (S-1)/S and the percentiles of a 3-seed resample cannot reach
+  past the extreme seeds, so the interval is the bootstrap's standard error, corrected by
+  sqrt(S/(S-1)), times the t(S-1) quantile, around the value. It adds the uncertainty of the
+  texts every seed shares (and counts each seed's own text noise twice: it errs wide); with no
+  text noise it is the t-interval.
+- :func:`paired_bootstrap` / :func:`response_bootstrap`: responses only, seeds fixed (the mean over
+  every seed of its statistic over the drawn texts; percentile interval): what another set of
+  held-out prompts would change, not what another training seed would. Labelled as such.
+
+1000 resamples (``num_boot``) from a fixed seed. Positions of one response are correlated, so
+resampling positions (:func:`position_bootstrap`, the older tables') gives intervals that are
+too narrow.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import numpy as np
 
@@ -134,21 +152,71 @@ def _interval(values, level: float = 0.95) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def _resamples(num_seeds: int, num_texts: int, num_boot: int, seed: int):
-    """``(seed indices, text multiplicities)`` per resample, in the order the module docstring states."""
-    rng = np.random.default_rng(seed)
-    for _ in range(num_boot):
-        seeds = rng.integers(0, num_seeds, num_seeds) if num_seeds > 1 else np.zeros(1, dtype=np.int64)
-        w = np.bincount(rng.integers(0, num_texts, num_texts), minlength=num_texts).astype(np.float64)
-        yield seeds, w
+def _t_two_sided(t: float, df: int) -> float:
+    """P(|T| < t) for Student's t with an integer ``df`` >= 1: the finite series of Abramowitz and
+    Stegun 26.7.3-4 in theta = atan(t / sqrt(df))."""
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c, s = math.cos(theta), math.sin(theta)
+    term = acc = c if df % 2 else 1.0
+    for k in range(3 if df % 2 else 2, df - 1, 2):
+        term *= (k - 1) / k * c * c
+        acc += term
+    if df % 2:
+        return 2 / math.pi * (theta + (s * acc if df > 1 else 0.0))
+    return s * acc
 
 
-def paired_bootstrap(cols_a: list[dict], cols_b: list[dict] | None, names=None, num_boot: int = 1000,
-                     seed: int = 0) -> dict[str, tuple[float, float, float]]:
-    """``name -> (value, low, high)``: the mean over seeds of ``a - b`` (or of ``a`` when
-    ``cols_b`` is None) and its percentile 95% interval over responses and seeds.
+@functools.lru_cache(maxsize=256)
+def t_quantile(level: float, df: int) -> float:
+    """The two-sided ``level`` quantile of Student's t with ``df`` degrees of freedom (0.95, 2:
+    4.303): the t with P(|T| < t) = level, by bisection on :func:`_t_two_sided`."""
+    if int(df) != df or df < 1:
+        raise ValueError(f"degrees of freedom must be an integer >= 1, got {df}")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    lo, hi = 0.0, 1.0
+    while _t_two_sided(hi, int(df)) < level:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_two_sided(mid, int(df)) < level else (lo, mid)
+    return (lo + hi) / 2
 
-    ``cols_a`` / ``cols_b``: one :func:`text_columns` per seed, the same texts in the same order."""
+
+def t_interval(values, level: float = 0.95):
+    """``(mean, low, high)`` over the last axis (the seeds): mean +- t(S-1) * sd / sqrt(S), sd with
+    S - 1 in the denominator. Vectorized over leading axes; NaN where S < 2 or a value is NaN."""
+    v = np.asarray(values, dtype=np.float64)
+    S = v.shape[-1]
+    mean = v.mean(axis=-1) if S else np.full(v.shape[:-1], np.nan)
+    if S < 2:
+        nan = np.full(np.shape(mean), np.nan)
+        out = (mean, nan, nan.copy())
+    else:
+        half = t_quantile(level, S - 1) * v.std(axis=-1, ddof=1) / math.sqrt(S)
+        out = (mean, mean - half, mean + half)
+    return tuple(float(x) for x in out) if v.ndim == 1 else out
+
+
+def _weighted_many(cols: dict, W: np.ndarray, names) -> dict[str, np.ndarray]:
+    """:func:`weighted_metrics` of many resamples at once: ``W`` ``[units, B]`` -> ``name -> [B]``."""
+    out = {}
+    for name in names:
+        if name == "entropy_slope_rs":
+            n, sx, sy, sxx, sxy = cols[SLOPE] @ W
+            var = n * sxx - sx * sx
+            ok = (n >= 2) & (var > 1e-12 * np.maximum(n * sxx, 1e-300))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[name] = np.where(ok, (n * sxy - sx * sy) / np.where(ok, var, 1.0), np.nan)
+        else:
+            num, den = cols[name]
+            d = den @ W
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out[name] = np.where(d > 0, (num @ W) / np.where(d > 0, d, 1.0), np.nan)
+    return out
+
+
+def _check_runs(cols_a: list[dict], cols_b: list[dict] | None) -> int:
     if not cols_a:
         raise ValueError("no seeds")
     if cols_b is not None and len(cols_b) != len(cols_a):
@@ -157,25 +225,98 @@ def paired_bootstrap(cols_a: list[dict], cols_b: list[dict] | None, names=None, 
     for c in [*cols_a, *(cols_b or [])]:
         if _units(c) != n:
             raise ValueError("every run must be evaluated on the same held-out texts")
+    return n
+
+
+def _per_seed(cols_a: list[dict], cols_b: list[dict] | None, names, W: np.ndarray) -> dict[str, np.ndarray]:
+    """``name -> [S, B]``: per seed, ``a - b`` (or ``a``) of each resample's texts ``W`` ``[n, B]``."""
+    out = {k: [] for k in names}
+    for s in range(len(cols_a)):
+        ma = _weighted_many(cols_a[s], W, names)
+        mb = _weighted_many(cols_b[s], W, names) if cols_b is not None else None
+        for k in names:
+            out[k].append(ma[k] - (mb[k] if mb is not None else 0.0))
+    return {k: np.asarray(v, dtype=np.float64) for k, v in out.items()}
+
+
+def seed_values(cols_a: list[dict], cols_b: list[dict] | None = None, names=None) -> dict[str, np.ndarray]:
+    """``name -> [S]``: per seed, the statistic of ``a`` (minus ``b``'s: the paired difference)
+    over every held-out text. ``cols_a`` / ``cols_b``: one :func:`text_columns` per seed, the
+    same seeds in the same order, the same texts."""
+    n = _check_runs(cols_a, cols_b)
     names = list(names) if names is not None else metric_names(cols_a[0])
-    ones = np.ones(n)
+    return {k: v[:, 0] for k, v in _per_seed(cols_a, cols_b, names, np.ones((n, 1))).items()}
 
-    def stat(seeds, w):
-        per_seed = []
-        for s in seeds:
-            ma = weighted_metrics(cols_a[s], w)
-            mb = weighted_metrics(cols_b[s], w) if cols_b is not None else None
-            per_seed.append([ma[k] - (mb[k] if mb is not None else 0.0) for k in names])
-        return np.mean(np.asarray(per_seed, dtype=np.float64), axis=0)
 
-    point = stat(range(len(cols_a)), ones)
-    samples = np.asarray([stat(s, w) for s, w in _resamples(len(cols_a), n, num_boot, seed)])
-    return {k: (float(point[i]), *_interval(samples[:, i])) for i, k in enumerate(names)}
+def _text_draws(rng, n: int, num_boot: int) -> np.ndarray:
+    """``[n, num_boot]``: the multiplicities of the texts in each resample, drawn as
+    ``rng.integers(0, n, n)`` per resample, in order (one ``[num_boot, n]`` draw: the same stream)."""
+    picks = rng.integers(0, n, (num_boot, n))
+    flat = (picks + n * np.arange(num_boot)[:, None]).ravel()
+    return np.bincount(flat, minlength=num_boot * n).reshape(num_boot, n).T.astype(np.float64)
+
+
+def paired_bootstrap(cols_a: list[dict], cols_b: list[dict] | None, names=None, num_boot: int = 1000,
+                     seed: int = 0, level: float = 0.95) -> dict[str, tuple[float, float, float]]:
+    """``name -> (value, low, high)``, **responses only**: the mean over seeds of ``a - b`` (or of
+    ``a`` when ``cols_b`` is None) and its percentile interval over resamples of the held-out
+    texts (``rng.integers(0, n, n)`` per resample), every seed kept: one draw of texts for all
+    seeds and both objectives (paired). The seeds' spread is not in it (:func:`t_interval`)."""
+    n = _check_runs(cols_a, cols_b)
+    names = list(names) if names is not None else metric_names(cols_a[0])
+    rng = np.random.default_rng(seed)
+    W = _text_draws(rng, n, num_boot)
+    point = seed_values(cols_a, cols_b, names)
+    samples = _per_seed(cols_a, cols_b, names, W)
+    return {k: (float(point[k].mean()), *_interval(samples[k].mean(axis=0), level)) for k in names}
 
 
 def response_bootstrap(cols: list[dict], names=None, num_boot: int = 1000, seed: int = 0):
-    """``name -> (value, low, high)`` of one run (one :func:`text_columns` per seed)."""
+    """``name -> (value, low, high)`` of one objective's runs (one :func:`text_columns` per seed),
+    responses only (:func:`paired_bootstrap`)."""
     return paired_bootstrap(cols, None, names, num_boot, seed)
+
+
+def hierarchical_bootstrap(cols_a: list[dict], cols_b: list[dict] | None, names=None, num_boot: int = 1000,
+                           seed: int = 0, level: float = 0.95) -> dict[str, tuple[float, float, float]]:
+    """``name -> (value, low, high)``: seeds outer, texts inner (module docstring). The value is
+    the mean over seeds (as :func:`t_interval`'s); the interval value +- t(S-1) * sqrt(S/(S-1)) *
+    the resamples' standard deviation. NaN with one seed (no seed-level interval)."""
+    n = _check_runs(cols_a, cols_b)
+    names = list(names) if names is not None else metric_names(cols_a[0])
+    S = len(cols_a)
+    point = seed_values(cols_a, cols_b, names)
+    if S < 2 or num_boot < 2:
+        return {k: (float(point[k].mean()), float("nan"), float("nan")) for k in names}
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, S, (num_boot, S))  # every resample's seeds, then every resample's texts
+    W = _text_draws(rng, n, num_boot)
+    per_seed = _per_seed(cols_a, cols_b, names, W)  # [S, B]
+    scale = t_quantile(level, S - 1) * math.sqrt(S / (S - 1))
+    out = {}
+    for k in names:
+        samples = np.take_along_axis(per_seed[k], picks.T, axis=0).mean(axis=0)
+        samples = samples[np.isfinite(samples)]
+        value = float(point[k].mean())
+        half = scale * float(samples.std(ddof=1)) if len(samples) > 1 else float("nan")
+        out[k] = (value, value - half, value + half)
+    return out
+
+
+def seed_intervals(cols_a: list[dict], cols_b: list[dict] | None = None, names=None, num_boot: int = 1000,
+                   seed: int = 0, level: float = 0.95) -> dict[str, dict]:
+    """Every interval of the study for each name: ``{"value", "per_seed" [S], "t" (lo, hi),
+    "hierarchical" (lo, hi), "responses" (lo, hi)}``: the report's cells."""
+    names = list(names) if names is not None else metric_names(cols_a[0])
+    per_seed = seed_values(cols_a, cols_b, names)
+    hier = hierarchical_bootstrap(cols_a, cols_b, names, num_boot, seed, level)
+    resp = paired_bootstrap(cols_a, cols_b, names, num_boot, seed, level)
+    out = {}
+    for k in names:
+        value, lo, hi = t_interval(per_seed[k], level)
+        out[k] = {"value": value, "per_seed": [float(x) for x in per_seed[k]], "t": (lo, hi),
+                  "hierarchical": hier[k][1:], "responses": resp[k][1:]}
+    return out
 
 
 def position_bootstrap(rows: dict, gamma: int, num_boot: int = 1000, seed: int = 0):
@@ -186,5 +327,6 @@ def position_bootstrap(rows: dict, gamma: int, num_boot: int = 1000, seed: int =
     return paired_bootstrap([cols], None, None, num_boot, seed) if n else {}
 
 
-__all__ = ["paired_bootstrap", "point_metrics", "position_bootstrap", "position_columns", "response_bootstrap",
-           "text_columns", "weighted_metrics"]
+__all__ = ["hierarchical_bootstrap", "paired_bootstrap", "point_metrics", "position_bootstrap", "position_columns",
+           "response_bootstrap", "seed_intervals", "seed_values", "t_interval", "t_quantile", "text_columns",
+           "weighted_metrics"]

@@ -154,7 +154,9 @@ def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int,
                 + (f", {left} left, ETA {left / max(rate, 1e-9):.0f} s" if left else ""))
         if written == 0:
             raise StudyError(f"responses ({split}): none was written (see the lines above)")
-        stats[split] = {"responses": written, "generated_tokens": tokens, "seconds": seconds}
+        # the sampling temperature: the report labels a decode-exact number at another T approximate
+        stats[split] = {"responses": written, "generated_tokens": tokens, "seconds": seconds,
+                        "temperature": temperature}
     backend = None  # frees the model before training
     if engine == "megatron":  # its in-memory import's process group and CPU mode
         from bebop_megatron.platform import end_single_process
