@@ -88,7 +88,6 @@ class NodeNetwork:
 
     def __init__(self, nodes: int, tag: str = ""):
         pid = os.getpid()
-        self.count = nodes
         self.prefix = f"bb{tag[:1]}{pid}"  # interface names: at most 15 characters
         self.names = [f"bebop-{tag}{pid}-node{i}" for i in range(1, nodes + 1)]
         self.bridge = self.prefix
