@@ -128,3 +128,19 @@ def slurm_cluster(tmp_path_factory):
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_two_nodes(tmp_path_factory):
+    """A two-node Slurm on this host: ``node1`` and ``node2``, each slurmd in its own network
+    namespace under its own hostname and address (``tests/helpers/slurm_cluster.py``), created
+    and removed by the fixture; skipped in one line where that cannot run (no Slurm, no root, no
+    ``ip``, or namespaces this machine cannot create)."""
+    from tests.helpers.slurm_cluster import SlurmCluster, missing, missing_namespaces
+
+    reason = missing() or missing_namespaces()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm2"), nodes=2).start()
+    yield cluster
+    cluster.stop()

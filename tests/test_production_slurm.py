@@ -1,11 +1,12 @@
-"""slurm/train_tv.sbatch: syntax, and what a one-node Slurm cannot show, under a fake 2-node one.
+"""slurm/train_tv.sbatch: syntax and what the script decides, under a fake 2-node Slurm.
 
 Fake ``srun``, ``scontrol`` and ``torchrun`` on PATH record their command lines: srun prints
 its own line and runs its task once per node (as ``srun --ntasks-per-node=1`` would), the fake
 torchrun prints what each node would start. Also: a container image's options, the requeue on a
-status 75 passed through (torchrun reports it as 1), and under a real torchrun, rank 0's error
-line when another rank fails first. Submission, USR1, TERM and a failing run under a real
-Slurm: tests/test_production_slurm_real.py.
+status 75 passed through (torchrun reports it as 1), the requeue after a failure only when the
+run moved ``latest``, and under a real torchrun, rank 0's error line when another rank fails
+first. Submission, USR1, TERM and a failing run under a real one-node Slurm, and two nodes (USR1,
+a node's ranks killed) under a real two-node one: tests/test_production_slurm_real.py.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ case ${FAKE_SRUN_MODE:-run} in
             i=$((i + 1))
         done ;;
     exit75) exit 75 ;;
+    fail) exit 1 ;;
+    save_then_fail) mkdir -p "$CKPT_DIR" && echo iter_0000020 > "$CKPT_DIR/latest" && exit 1 ;;
 esac
 """
 
@@ -133,6 +136,37 @@ def test_a_launcher_that_passes_75_through_is_requeued(fake_slurm):
     assert (tmp / "scontrol.log").read_text() == "scontrol requeue 4242\n"
 
 
+def test_a_failure_after_a_new_checkpoint_is_requeued(fake_slurm):
+    """A node lost or a rank killed after this run moved ``latest`` (srun ends with 1 or 143):
+    requeued, to resume from that checkpoint. Under a real two-node Slurm (node2's rank killed):
+    tests/test_production_slurm_real.py."""
+    env, tmp = fake_slurm
+    ckpt = tmp / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest").write_text("iter_0000010\n")  # what the run resumed from
+    proc = sbatch(env, "cfg.yaml", FAKE_SRUN_MODE="save_then_fail", CKPT_DIR=str(ckpt))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines()[-1] == (f"requeueing job 4242 after a failure (srun exit 1); it resumes from "
+                                            f"{ckpt}/iter_0000020, this run's last checkpoint")
+    assert (tmp / "scontrol.log").read_text() == "scontrol requeue 4242\n"
+
+
+@pytest.mark.parametrize("before", [None, "iter_0000010\n"])
+def test_a_failure_before_a_new_checkpoint_is_not_requeued(fake_slurm, before):
+    """No checkpoint at all, or none since the run started: the failure would likely recur (a
+    config or data error, a crash at start); the job ends, saying why."""
+    env, tmp = fake_slurm
+    ckpt = tmp / "ckpt"
+    if before:
+        ckpt.mkdir()
+        (ckpt / "latest").write_text(before)
+    proc = sbatch(env, "cfg.yaml", FAKE_SRUN_MODE="fail", CKPT_DIR=str(ckpt))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    last = proc.stdout.splitlines()[-1]
+    assert last == "job 4242 failed (srun exit 1) before this run saved a checkpoint: not requeued"
+    assert not (tmp / "scontrol.log").exists()
+
+
 def test_rank0_reports_an_error_that_another_rank_raised_first(tmp_path):
     """torchrun stops every rank once one fails: under sbatch, rank 1 exiting first on a config error
     cut rank 0 off before its line (bebop_megatron.launcher.leave_report_to_rank0). Rank 0 starts
@@ -155,3 +189,22 @@ def test_outside_torchrun_a_failing_rank_does_not_wait(monkeypatch):
     monkeypatch.setattr(launcher, "_watched", None)  # watch_launcher found no torchrun
     monkeypatch.setattr(launcher.time, "sleep", lambda s: pytest.fail(f"slept {s} s"))
     launcher.leave_report_to_rank0()
+
+
+def test_without_network_namespaces_the_two_node_slurm_is_skipped_in_one_line(tmp_path, monkeypatch):
+    """Where ``ip netns add`` is refused (a container without the capability), the two-node
+    fixture skips with the reason in one line, and leaves nothing behind."""
+    from tests.helpers.slurm_cluster import NETNS_PROGRAMS, missing_namespaces
+
+    refused = "mount --make-shared /run/netns failed: Operation not permitted"
+    for program in NETNS_PROGRAMS:
+        path = tmp_path / program
+        path.write_text(f'#!/bin/sh\necho "$*" >> "$0.log"\n'
+                        f'case "$*" in "netns add"*) echo "{refused}" >&2; exit 1 ;; esac\n')
+        path.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    reason = missing_namespaces()
+    assert reason == ("a two-node Slurm needs network namespaces, which this machine cannot create (ip netns add "
+                      f"bebop-probe{os.getpid()}-node1: {refused})")
+    calls = (tmp_path / "ip.log").read_text().splitlines()
+    assert calls[-1] == f"link del bbp{os.getpid()}"  # the bridge made before the namespace, removed again

@@ -1,13 +1,21 @@
-"""A one-node Slurm in a temporary directory, for tests that submit real batch jobs.
+"""A one-node or two-node Slurm in a temporary directory, for tests that submit real batch jobs.
 
-Debian's ``slurm-wlm`` and ``munge`` (``apt-get install -y slurm-wlm munge``), run as root: this
-host is the node (its short hostname, the CPUs and memory ``slurmd -C`` reports), ``munged``
-runs on its own key and socket, ``slurmctld`` and ``slurmd`` on ports chosen free, with every
-state, spool, pid and log file under the directory. The clients find the cluster through
-``SLURM_CONF`` (:attr:`SlurmCluster.env`). The daemons run in the foreground as children of
-the test process and are stopped by pid (:meth:`SlurmCluster.stop`). By hand, the same:
+Debian's ``slurm-wlm`` and ``munge`` (``apt-get install -y slurm-wlm munge``), run as root.
+One node: this host is the node (its short hostname, the CPUs and memory ``slurmd -C``
+reports). Two nodes (``nodes=2``; also ``iproute2``): ``node1`` and ``node2``, one ``slurmd``
+each in its own network namespace (:class:`NodeNetwork`: ``ip netns``, a veth pair per node on a
+bridge of this host, addresses of 198.18.0.0/15, the range set aside for benchmarks), under its
+own hostname (a UTS namespace) with an ``/etc/hosts`` that names both nodes (bind-mounted in
+the node's mount namespace), so that a job's ``srun``, ``torchrun``'s rendezvous and gloo cross
+hosts as they would on a cluster; ``slurmctld`` listens on the bridge's address. The test
+creates the namespaces, the bridge and the veths and removes them (:meth:`SlurmCluster.stop`).
+Either way ``munged`` runs on its own key and socket (a file, reachable from every
+namespace), ``slurmctld`` and ``slurmd`` on ports chosen free, with every state, spool, pid and
+log file under the directory. The clients find the cluster through ``SLURM_CONF``
+(:attr:`SlurmCluster.env`). The daemons run in the foreground as children of the test process
+and are stopped by pid (:meth:`SlurmCluster.stop`). By hand, the same:
 
-    .venv/bin/python -m tests.helpers.slurm_cluster /tmp/slurm   # prints the SLURM_CONF line; Ctrl-C stops it
+    .venv/bin/python -m tests.helpers.slurm_cluster /tmp/slurm [--nodes 2]   # prints SLURM_CONF; Ctrl-C stops it
 
 Settings that keep the tests short: ``cred_expire=5`` (a requeued job may start again after
 6 s instead of 121 s), ``sched_interval=1`` (the scheduler looks at pending jobs every second
@@ -29,11 +37,13 @@ from pathlib import Path
 from tests.helpers.launch import _free_port
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "squeue")
+NETNS_PROGRAMS = {"ip": "iproute2", "nsenter": "util-linux", "unshare": "util-linux", "mount": "mount",
+                  "hostname": "hostname"}  # and their Debian packages
 
 
 def missing() -> str | None:
     """Why a real Slurm cannot run here (one line), or None."""
-    absent = [p for p in PROGRAMS if shutil.which(p, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin") is None]
+    absent = [p for p in PROGRAMS if _which(p) is None]
     if absent:
         return f"needs Slurm and munge ({', '.join(absent)} not found): apt-get install -y slurm-wlm munge"
     if os.geteuid() != 0:
@@ -41,7 +51,24 @@ def missing() -> str | None:
     return None
 
 
-def _which(program: str) -> str:
+def missing_namespaces() -> str | None:
+    """Why this host cannot give two nodes their own network namespaces (one line), or None:
+    creates and removes a namespace, a bridge and a veth pair of its own to find out."""
+    absent = [p for p in NETNS_PROGRAMS if _which(p) is None]
+    if absent:
+        packages = sorted({NETNS_PROGRAMS[p] for p in absent})
+        return f"a two-node Slurm needs {', '.join(absent)} (not found): apt-get install -y {' '.join(packages)}"
+    probe = NodeNetwork(1, tag="probe")
+    try:
+        probe.create()
+    except RuntimeError as err:
+        return f"a two-node Slurm needs network namespaces, which this machine cannot create ({err})"
+    finally:
+        probe.remove()
+    return None
+
+
+def _which(program: str) -> str | None:
     return shutil.which(program, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
 
 
@@ -52,10 +79,82 @@ def node_hardware() -> dict:
     return {"CPUs": fields["CPUs"], "RealMemory": fields["RealMemory"]}
 
 
+class NodeNetwork:
+    """``nodes`` network namespaces (``bebop-<pid>-node<i>``), each with one end of a veth pair
+    (``bb<pid>p<i>``, address ``<subnet>.<i>``) whose other end (``bb<pid>n<i>``) is a port of the
+    bridge ``bb<pid>`` (``<subnet>.254``, the controller's address); ``<subnet>`` is a /24 of
+    198.18.0.0/15 that no address of this host is in. Names carry this process's id, so that
+    concurrent test sessions do not collide. :meth:`run_as` wraps a command to run as node ``i``."""
+
+    def __init__(self, nodes: int, tag: str = ""):
+        pid = os.getpid()
+        self.prefix = f"bb{tag[:1]}{pid}"  # interface names: at most 15 characters
+        self.names = [f"bebop-{tag}{pid}-node{i}" for i in range(1, nodes + 1)]
+        self.bridge = self.prefix
+        self.subnet: str | None = None
+
+    def _ip(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run([_which("ip"), *args], capture_output=True, text=True, timeout=30)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(args)}: {proc.stderr.strip() or proc.returncode}")
+        return proc
+
+    def _free_subnet(self) -> str:
+        used = set(re.findall(r"inet (\d+\.\d+\.\d+)\.\d+/", self._ip("-o", "-4", "addr", "show").stdout))
+        start = os.getpid() % 256
+        for k in range(512):
+            n = (start + k) % 512
+            subnet = f"198.{18 + n // 256}.{n % 256}"
+            if subnet not in used:
+                return subnet
+        raise RuntimeError("no free /24 in 198.18.0.0/15")
+
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    @property
+    def controller(self) -> str:
+        return f"{self.subnet}.254"
+
+    def create(self) -> None:
+        """The bridge, then per node: its namespace, its veth pair, addresses, links up."""
+        self.remove()  # what a killed earlier process of the same id may have left
+        self.subnet = self._free_subnet()
+        self._ip("link", "add", self.bridge, "type", "bridge")
+        self._ip("addr", "add", f"{self.controller}/24", "dev", self.bridge)
+        self._ip("link", "set", self.bridge, "up")
+        for i, ns in enumerate(self.names):
+            outer, inner = f"{self.prefix}n{i + 1}", f"{self.prefix}p{i + 1}"
+            self._ip("netns", "add", ns)
+            self._ip("link", "add", outer, "type", "veth", "peer", "name", inner, "netns", ns)
+            self._ip("link", "set", outer, "master", self.bridge, "up")
+            self._ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", inner)
+            self._ip("-n", ns, "link", "set", inner, "up")
+            self._ip("-n", ns, "link", "set", "lo", "up")
+
+    def remove(self) -> None:
+        """Delete the veths, the bridge and the namespaces that exist (each is tried; none is required)."""
+        for i, ns in enumerate(self.names):
+            self._ip("link", "del", f"{self.prefix}n{i + 1}", check=False)
+            self._ip("netns", "del", ns, check=False)
+        self._ip("link", "del", self.bridge, check=False)
+
+    def run_as(self, i: int, hostname: str, hosts_file: Path, cmd: list[str]) -> list[str]:
+        """``cmd`` in namespace ``i`` (``nsenter``; not ``ip netns exec``, which mounts a /sys without
+        the cgroup filesystem that slurmd reads), in UTS and mount namespaces of its own: hostname
+        ``hostname``, ``hosts_file`` as ``/etc/hosts``. Each step execs the next: the pid is ``cmd``'s."""
+        script = 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
+        return [_which("nsenter"), f"--net=/run/netns/{self.names[i]}", _which("unshare"), "--uts", "--mount", "sh",
+                "-c", script, "sh", hostname, str(hosts_file), *cmd]
+
+
 class SlurmCluster:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, nodes: int = 1):
         self.root = Path(root)
-        self.node = socket.gethostname().split(".")[0]
+        self.host = socket.gethostname().split(".")[0]
+        self.network = NodeNetwork(nodes) if nodes > 1 else None
+        self.nodes = [f"node{i}" for i in range(1, nodes + 1)] if self.network else [self.host]
+        self.node = self.nodes[0]
         self.conf = self.root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -63,7 +162,7 @@ class SlurmCluster:
     # -- start and stop -----------------------------------------------------------------------
 
     def start(self, timeout: float = 30) -> "SlurmCluster":
-        """Write the key and slurm.conf, start munged, slurmctld and slurmd; return once the node is idle."""
+        """Write the key and slurm.conf, start munged, slurmctld and the slurmd; return once every node is idle."""
         try:
             self._start(timeout)
         except BaseException:
@@ -86,19 +185,39 @@ class SlurmCluster:
                                f"--key-file={key}", f"--pid-file={munge / 'munged.pid'}",
                                f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'munged.seed'}"])
         self._wait(lambda: socket_path.exists(), timeout, "munged's socket")
+        if self.network:
+            self.network.create()
         self.conf.write_text(self.slurm_conf(str(socket_path)))
         self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i"])
-        self._spawn("slurmd", [_which("slurmd"), "-D", "-N", self.node])
-        self._wait(lambda: self._node_state() == "idle", timeout, f"node {self.node} idle")
+        if not self.network:
+            self._spawn("slurmd", [_which("slurmd"), "-D", "-N", self.node])
+        else:
+            hosts = self.root / "hosts"
+            hosts.write_text("".join(f"{addr} {name}\n" for addr, name in [
+                ("127.0.0.1", "localhost"), ("::1", "localhost"), (self.network.controller, self.host),
+                *((self.network.address(i), node) for i, node in enumerate(self.nodes))]))
+            for i, node in enumerate(self.nodes):
+                (self.root / "spool" / node).mkdir(exist_ok=True)
+                self._spawn(f"slurmd-{node}", self.network.run_as(i, node, hosts, [_which("slurmd"), "-D", "-N", node]))
+        self._wait(lambda: self.node_states() == ["idle"] * len(self.nodes), timeout, "every node idle")
 
     def slurm_conf(self, munge_socket: str) -> str:
         hw = node_hardware()
         r = self.root
         ctld_port = _free_port()
         slurmd_port = next(p for p in iter(_free_port, None) if p != ctld_port)
+        if self.network:  # one slurmd per namespace: their files apart by node name (%n)
+            ctld_addr = self.network.controller
+            addrs = [self.network.address(i) for i in range(len(self.nodes))]
+            slurmd_files = [f"SlurmdSpoolDir={r / 'spool' / '%n'}", f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
+                            f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}"]
+        else:
+            ctld_addr, addrs = "127.0.0.1", ["127.0.0.1"]
+            slurmd_files = [f"SlurmdSpoolDir={r / 'spool'}", f"SlurmdPidFile={r / 'slurmd.pid'}",
+                            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}"]
         return "\n".join([
             "ClusterName=bebop-test",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
+            f"SlurmctldHost={self.host}({ctld_addr})",
             "SlurmUser=root",
             "SlurmdUser=root",
             f"SlurmctldPort={ctld_port}",
@@ -107,11 +226,9 @@ class SlurmCluster:
             "CredType=cred/munge",
             f"AuthInfo=socket={munge_socket},cred_expire=5",
             f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
             f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'slurmd.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+            *slurmd_files,
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "SelectType=select/cons_tres",
@@ -125,20 +242,23 @@ class SlurmCluster:
             "MpiDefault=none",
             "ReturnToService=2",
             "MailProg=/bin/true",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={hw['CPUs']} RealMemory={hw['RealMemory']} State=UNKNOWN",
-            f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+            *(f"NodeName={node} NodeAddr={addr} CPUs={hw['CPUs']} RealMemory={hw['RealMemory']} State=UNKNOWN"
+              for node, addr in zip(self.nodes, addrs)),
+            f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP",
             "",
         ])
 
     def stop(self, timeout: float = 30) -> None:
-        """Cancel what still runs, then end the daemons (slurmd, slurmctld, munged) by pid."""
+        """Cancel what still runs, end the daemons (the slurmd, slurmctld, munged) by pid, then remove
+        the nodes' namespaces, veths and bridge."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             subprocess.run([_which("scancel"), "--full", "--user", "root"], env=self.env, capture_output=True,
                            timeout=30)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.squeue():
                 time.sleep(0.2)
-        for name in ("slurmd", "slurmctld", "munged"):
+        slurmd = [name for name in self.procs if name.startswith("slurmd")]
+        for name in (*slurmd, "slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue
@@ -148,6 +268,8 @@ class SlurmCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.network:
+            self.network.remove()
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.root / "log" / f"{name}.out", "w")
@@ -170,10 +292,12 @@ class SlurmCluster:
         path = self.root / "log" / f"{name}.out"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def _node_state(self) -> str:
-        proc = subprocess.run([_which("sinfo"), "-h", "-N", "-o", "%T"], env=self.env, capture_output=True, text=True,
-                              timeout=30)
-        return proc.stdout.strip() if proc.returncode == 0 else ""
+    def node_states(self) -> list[str]:
+        """``sinfo``'s state of each node, in :attr:`nodes`' order ([] while slurmctld does not answer)."""
+        proc = subprocess.run([_which("sinfo"), "-h", "-N", "-o", "%N %T"], env=self.env, capture_output=True,
+                              text=True, timeout=30)
+        states = dict(line.split() for line in proc.stdout.splitlines()) if proc.returncode == 0 else {}
+        return [states[node] for node in self.nodes] if set(states) == set(self.nodes) else []
 
     # -- the clients --------------------------------------------------------------------------
 
@@ -199,6 +323,23 @@ class SlurmCluster:
         proc = self.run("squeue", "-h", "-o", "%i")
         return proc.stdout.split()
 
+    @staticmethod
+    def ranks_on(node: str) -> list[int]:
+        """The pids of the ranks that jobs run on ``node``: processes whose environment has
+        ``SLURMD_NODENAME=node`` (slurmstepd sets it for a job's tasks) and torchrun's ``LOCAL_RANK``
+        (set for its workers, not for itself)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile
+                continue
+            if f"SLURMD_NODENAME={node}".encode() in environ and any(v.startswith(b"LOCAL_RANK=") for v in environ):
+                pids.append(int(entry.name))
+        return pids
+
     def wait_job(self, job_id: int, until, timeout: float, what: str) -> dict:
         """Poll ``scontrol show job`` (twice a second: a poll costs ~7 ms of CPU) until ``until(fields)``;
         fail after ``timeout`` seconds."""
@@ -219,12 +360,17 @@ def _interrupt(signum, _frame):
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
+    parser = argparse.ArgumentParser(description="A Slurm of this host in DIR, until Ctrl-C or SIGTERM.")
+    parser.add_argument("dir")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="more than 1: node1, node2, ..., each in its own network namespace")
+    args = parser.parse_args()
     signal.signal(signal.SIGTERM, _interrupt)
-    cluster = SlurmCluster(Path(sys.argv[1]).resolve()).start()
-    print(f"export SLURM_CONF={cluster.conf}   # one node: {cluster.node}; Ctrl-C (or kill {os.getpid()}) stops "
-          "the daemons", flush=True)
+    cluster = SlurmCluster(Path(args.dir).resolve(), nodes=args.nodes).start()
+    print(f"export SLURM_CONF={cluster.conf}   # nodes: {' '.join(cluster.nodes)}; Ctrl-C (or kill {os.getpid()}) "
+          "stops the daemons", flush=True)
     try:
         signal.pause()
     except KeyboardInterrupt:
