@@ -53,7 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--megatron", help="an import of tools/convert_from_hf.py (its MTP layers for --existing import); "
                                       "with --model or --hf-dir: the import of that model, which then only answers "
                                       "--prompts (no import stage)")
-    m.add_argument("--mtp-num-steps", type=int, default=3, help="MTP steps of the import (default 3)")
+    m.add_argument("--mtp-num-steps", type=int, default=None,
+                   help="MTP steps of the import (default 3); a work folder's import or a --megatron import "
+                        "with other steps is refused")
     d = p.add_argument_group("the data (one of)")
     d.add_argument("--prompts", help="prompts: one JSONL file (the first --num-heldout held out) or a folder of "
                                      "train.jsonl and heldout.jsonl; the model answers them at T=1 (needs --model or "
@@ -73,14 +75,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(GQA models, dense or MoE; same seeds and sampler; tools/generate_responses.py --megatron)")
     d.add_argument("--cuda-graphs", action="store_true", help="--gen-engine megatron on CUDA: CUDA-graph decode steps")
     s = p.add_argument_group("the study")
-    s.add_argument("--work", required=True, help="work folder: every stage resumes from it")
+    s.add_argument("--work", required=True,
+                   help="work folder: every stage resumes from it; it records what it was made from (WORK/"
+                        "fingerprint.json: the model, the --megatron import, the prompts) and a study of other ones "
+                        "is refused")
     s.add_argument("--out", default=None, help="report folder (default WORK/report)")
     s.add_argument("--objectives", default=OBJECTIVES, help=f"comma-separated loss.type values (default {OBJECTIVES})")
     s.add_argument("--conditions", default="fresh", help="fresh, existing or both (default fresh)")
     s.add_argument("--existing", default="import",
                    help="the existing condition's head: 'import' (the import's MTP layers) or 'ce:N' (a fresh head "
                         "first trained with ce for N tokens, per seed); default import")
-    s.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    s.add_argument("--seeds", default="0", help="comma-separated seeds, 0 to 2**32 - 2 (default 0)")
     s.add_argument("--tokens", type=int, default=40_000, help="training tokens per run (default 40000)")
     s.add_argument("--lr", type=float, default=1e-3, help="fresh heads (cosine to lr/10; default 1e-3)")
     s.add_argument("--ft-lr", type=float, default=1e-4, help="existing heads (default 1e-4)")
@@ -111,8 +116,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--verbose", action="store_true", help="the trainer's own lines")
     c = p.add_argument_group("carrying the study to another machine (docs/study.md)")
     c.add_argument("--pack", metavar="DIR",
-                   help="write --work's portable state into DIR and stop (nothing is trained; DIR is replaced "
-                        "atomically): the responses without what their prompts give back (gzip), the responses "
+                   help="write --work's portable state into DIR and stop (nothing is trained; DIR: a new or empty "
+                        "folder, or an earlier pack, replaced atomically; anything else is refused, as is a DIR at, "
+                        "inside or above --work): the responses without what their prompts give back (gzip), the responses "
                         "stage's files, every finished run's record.json and rows.npz, MANIFEST.json (the machine, "
                         "the date, the commit); not the import nor the existing condition's ce heads (weights: "
                         "retrained after an unpack); needs only --work (--prompts: its manifest.json is recorded)")
@@ -123,9 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "written), the finished runs restored (one already in --work must be the same), the pack's "
                         "manifest appended to WORK/provenance.jsonl; then the study goes on as usual")
     args = p.parse_args(argv)
-    if args.pack is not None and args.unpack is not None:
-        from bebop_megatron.study.log import StudyError
+    from bebop_megatron.study.log import StudyError
 
+    if args.pack is not None and args.unpack is not None:
         raise StudyError("give --pack or --unpack, not both (--pack writes --work's state into DIR and stops; "
                          "--unpack restores a pack into --work before the study)")
     if args.pack is not None:
@@ -134,7 +140,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("give --model or --hf-dir, not both")
     if args.model is None and args.hf_dir is None and args.megatron is None:
         p.error("give one of --model, --hf-dir, --megatron")
-    if (args.prompts is None) == (args.train_data is None):
+    if args.prompts is not None and args.train_data is not None:
+        raise StudyError("give --prompts or --train-data, not both (--prompts: the model answers them and the runs "
+                         "train on its answers; --train-data: files the trainer reads as they are)")
+    if args.prompts is None and args.train_data is None:
         p.error("give --prompts or --train-data (with --heldout-data)")
     if args.train_data is not None and args.heldout_data is None:
         p.error("--train-data needs --heldout-data")
@@ -143,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("num_train", "num_heldout", "max_new_tokens", "gen_batch_size", "tokens", "seq_length",
                  "micro_batch_size", "global_batch_size", "curve_points", "curve_rows", "loss_chunk_tokens",
                  "eval_chunk_positions", "num_boot", "mtp_num_steps", "ranks"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("lr", "ft_lr"):
         if not 0 < getattr(args, name) < float("inf"):
@@ -153,7 +162,96 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.cuda_graphs and (args.gen_engine != "megatron" or args.device != "cuda"):
         p.error("--cuda-graphs needs --gen-engine megatron and --device cuda")
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    args.mtp_steps_given = args.mtp_num_steps is not None
+    args.mtp_num_steps = args.mtp_num_steps or 3
+    args.seed_list = parse_seeds(args.seeds)
+    from bebop_megatron.study.driver import check_seeds
+
+    check_seeds([args.seed], "--seed")
+    from bebop_megatron.cli import check_output_dir
+
+    check_output_dir(args.work, "--work")
+    if args.out is not None:
+        check_output_dir(args.out, "--out")
     return args
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds``: distinct integers from 0 to 2**32 - 2, comma-separated."""
+    from bebop_megatron.study.driver import check_seeds
+    from bebop_megatron.study.log import StudyError
+
+    try:
+        seeds = [int(x) for x in (x.strip() for x in text.split(",")) if x]
+    except ValueError:
+        raise StudyError(f"--seeds {text!r}: comma-separated integers") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise StudyError(f"--seeds {text!r}: distinct integers, at least one")
+    check_seeds(seeds)
+    return seeds
+
+
+def check_before_work(args, plan, work: Path) -> tuple[Path | None, dict | None, dict]:
+    """Every check that needs no work, before the first write: the prompts, the model, what the
+    work folder was made from (:mod:`bebop_megatron.study.fingerprint`), the import's MTP steps,
+    every run's trainer config (:func:`bebop_megatron.study.driver.check_configs`). Returns the
+    model folder, the prompt sets and the fingerprint to record."""
+    from bebop_megatron.study import fingerprint
+    from bebop_megatron.study.driver import check_configs
+    from bebop_megatron.study.log import StudyError
+    from bebop_megatron.study.stages import import_sections, import_steps, is_done, prompt_sets
+
+    sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout) if args.prompts else None
+    if args.report_only and args.unpack is None:  # nothing is generated: a model only where it is at hand
+        hf = Path(args.hf_dir) if args.hf_dir and (Path(args.hf_dir) / "config.json").is_file() else None
+    else:
+        hf = model_folder(args)
+    given = Path(args.megatron).resolve() if args.megatron else None
+    current = {
+        "model": fingerprint.folder_fingerprint(hf) if hf is not None else None,
+        "import": fingerprint.folder_fingerprint(given, recursive=True) if given and given.is_dir() else None,
+        "prompts": None if sets is None else fingerprint.prompts_fingerprint(
+            sets, f"{Path(args.prompts).resolve()} (--num-train {args.num_train}, --num-heldout {args.num_heldout})"),
+    }
+    record = fingerprint.check(work, current)
+    if args.report_only:
+        return hf, sets, record
+    meg = given or work / "megatron"
+    have = import_steps(meg) if given or is_done(meg) else None
+    if have is not None and have != args.mtp_num_steps and (args.mtp_steps_given or not given):
+        where = f"--megatron {meg}" if given else f"this work folder's import {meg}"
+        raise StudyError(f"--mtp-num-steps {args.mtp_num_steps}{'' if args.mtp_steps_given else ' (the default)'}: "
+                         f"{where} has mtp.num_steps={have} (its bebop_model.yaml): give --mtp-num-steps {have}, "
+                         + ("or another import" if given else f"or another --work to import again with "
+                                                               f"{args.mtp_num_steps}"))
+    plan.meg = meg
+    if args.train_data is not None:
+        plan.train_files, plan.valid_files = split(args.train_data), split(args.heldout_data)
+    sections = None
+    if not (meg / "bebop_model.yaml").is_file() and not given:
+        sections = import_sections(hf, args.mtp_num_steps)
+    check_configs(plan, sections=sections)
+    return hf, sets, record
+
+
+def split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def run(argv=None) -> None:
+    """:func:`main`; a write the file system refuses is one line, never a traceback: exit 74 when
+    the disk failed (no space left, quota, I/O: :class:`~bebop_megatron.study.log.StudyDiskError`,
+    as the trainer's), 2 for the place (read-only, permissions, a file in the way)."""
+    from bebop_megatron.study.log import DISK_ERRNOS, WRITE_ERRNOS, write_error
+    from bebop_megatron.study.stages import write_problem
+
+    try:
+        main(argv)
+    except OSError as err:
+        if err.errno not in DISK_ERRNOS and err.errno not in WRITE_ERRNOS:
+            raise
+        write_problem(err)  # drops the frames' locals now (see there)
+        raise write_error(err, "the study") from None
 
 
 def _load(name: str, path: Path):
@@ -210,14 +308,7 @@ def main(argv=None) -> None:
         pack(work, Path(args.pack).resolve(), prompts=Path(args.prompts) if args.prompts else None)
         return
     out = Path(args.out).resolve() if args.out else work / "report"
-    work.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    set_log_file(out / "study.log")
-    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
-    try:
-        seeds = [int(x) for x in split(args.seeds)]
-    except ValueError:
-        raise StudyError(f"--seeds {args.seeds!r}: comma-separated integers") from None
+    seeds = args.seed_list
     plan = StudyPlan(work=work, out=out, meg=Path(), train_files=[], valid_files=[], objectives=split(args.objectives),
                      conditions=split(args.conditions), existing=args.existing, seeds=seeds, tokens=args.tokens,
                      lr=args.lr, ft_lr=args.ft_lr, train_on=args.train_on, seq_length=args.seq_length,
@@ -229,13 +320,25 @@ def main(argv=None) -> None:
                      verbose=args.verbose,
                      title=args.title or args.model or Path(args.hf_dir or args.megatron).name)
     check_plan(plan)
+    hf, sets, made_from = check_before_work(args, plan, work)
+    from bebop_megatron.study import fingerprint
+    from bebop_megatron.study.log import write_error
+
+    try:  # the first writes: a place that cannot be written is one line here
+        work.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "study.log", "a"):
+            pass
+        fingerprint.record(work, made_from)
+    except OSError as err:
+        name = Path(err.filename) if err.filename else None
+        mine = name is not None and (name == out or out in name.parents)
+        raise write_error(err, f"--out {out}" if mine else f"--work {work}") from None
+    set_log_file(out / "study.log")
     t0 = time.time()
-    hf = None
     if args.unpack is not None:  # before the stages: they then skip what the pack holds
         from bebop_megatron.study.pack import unpack
 
-        hf = model_folder(args)
-        sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout) if args.prompts else None
         unpack(work, Path(args.unpack).resolve(), sets=sets, hf=hf)
     if args.report_only:
         write_report(plan, num_boot=args.num_boot)
@@ -272,4 +375,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
     from bebop_megatron.cli import run_cli
 
-    run_cli(lambda: main(sys.argv[1:]))
+    run_cli(lambda: run(sys.argv[1:]))
