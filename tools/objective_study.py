@@ -15,8 +15,10 @@
     python tools/objective_study.py --work WORK --pack DIR
     python tools/objective_study.py --unpack DIR [same options as the study]
 
-Stages, each resumable from --work (a complete stage is skipped; run the same command again after
-an interruption): the import (tools/convert_from_hf.py; none with --megatron); the responses
+Every flag and every run's trainer config are checked first, before any work; --work records the
+model, import and prompts it was made from (WORK/fingerprint.json: a study of others there is
+refused). Stages, each resumable from --work (a complete stage is skipped; run the same command
+again after an interruption): the import (tools/convert_from_hf.py; none with --megatron); the responses
 (batched transformers generate at T=1, train and held-out prompts disjoint) and their indexed
 datasets; for the ``existing`` condition the seed's ce head; then every (condition, seed,
 objective) run, in this process or, with --ranks N, in N processes at tensor parallel N: the
@@ -26,7 +28,7 @@ statistics, per position, with the response of every position); last the report 
 RESULTS.md (tables, paired differences against ce and kl with 95% intervals from a bootstrap over
 responses and seeds, a recommendation line per condition), results.csv, curves_<condition>.png,
 summary.json. --pack DIR writes the study's portable state (its responses without the prompts, the
-finished runs' records and rows, MANIFEST.json) into DIR and stops; --unpack DIR restores it into
+finished runs' records and rows, MANIFEST.json) into DIR (new, empty or an earlier pack) and stops; --unpack DIR restores it into
 --work before the stages (each response line rebuilt from --prompts and the model's tokenizer and
 checked against the pack's sha256); the existing condition's ce heads are not packed (weights):
 retrained when needed. See docs/study.md.
@@ -54,8 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                       "with --model or --hf-dir: the import of that model, which then only answers "
                                       "--prompts (no import stage)")
     m.add_argument("--mtp-num-steps", type=int, default=None,
-                   help="MTP steps of the import (default 3); a work folder's import or a --megatron import "
-                        "with other steps is refused")
+                   help="MTP steps of the import (default 3); refused when the work folder's import has other "
+                        "steps, or, given, when --megatron's has")
     d = p.add_argument_group("the data (one of)")
     d.add_argument("--prompts", help="prompts: one JSONL file (the first --num-heldout held out) or a folder of "
                                      "train.jsonl and heldout.jsonl; the model answers them at T=1 (needs --model or "
