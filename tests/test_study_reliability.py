@@ -340,7 +340,16 @@ def full(*args, **kwargs):
     return _write_item(*args, **kwargs)
 
 
-filesystem_async._write_item = full
+if os.environ.get("FULL_AT") == "tokenize":  # the indexed dataset's writer instead
+    from bebop_megatron.data import preprocess
+
+    class FullWriter(preprocess.IndexedWriter):
+        def add(self, tokens, trained):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.tmp + ".bin")
+
+    preprocess.IndexedWriter = FullWriter
+else:
+    filesystem_async._write_item = full
 sys.argv = sys.argv[1:]
 try:
     runpy.run_path(sys.argv[0], run_name="__main__")
@@ -351,23 +360,26 @@ finally:  # as the interpreter's exit would (a launch of the fork server ends wi
 '''
 
 
-@pytest.mark.parametrize("stage", ["run", "import"])
+@pytest.mark.parametrize("stage", ["run", "import", "tokenize"])
 def test_a_full_disk_is_exit_74_and_one_line(study, tmp_path, stage):
     """ENOSPC in Megatron-Core's checkpoint writer: in a run's first checkpoint (the study's
-    import and responses done) and in the import of a new work folder: one line, exit 74 (a
-    SIGSEGV at exit before, in 3 tries of 3 on a real full tmpfs; a traceback for the import),
-    no partial checkpoint nor import left."""
+    import and responses done) and in the import of a new work folder; in the indexed dataset's
+    writer (the responses tokenized again): one line, exit 74 (a SIGSEGV at exit before, in 3
+    tries of 3 on a real full tmpfs; a traceback for the import; exit 2 for the tokenization),
+    no partial checkpoint, import nor dataset left."""
     tmp, hf, prompts, work = study
     wrapper = tmp_path / "full_disk.py"
     wrapper.write_text(_FULL_DISK)
-    if stage == "run":
+    if stage in ("run", "tokenize"):
         target = tmp_path / "work"
         shutil.copytree(work, target, ignore=shutil.ignore_patterns("report"))
+        if stage == "tokenize":
+            (target / "data" / ".heldout.tokenized").unlink()
     else:
         target = tmp_path / "new"
     proc = forkserver.run([sys.executable, str(wrapper), str(TOOL), "--hf-dir", str(hf), "--prompts", str(prompts),
-                           "--work", str(target), *SIZES, "--objectives", "ce,kl"], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=600)
+                           "--work", str(target), *SIZES, "--objectives", "ce,kl"], cwd=tmp_path,
+                          env={**_env(), "FULL_AT": stage}, capture_output=True, text=True, timeout=600)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 74, proc.stderr[-4000:]
     assert len(errors) == 1 and "no space left on device while writing" in errors[0], proc.stderr[-4000:]
@@ -377,6 +389,10 @@ def test_a_full_disk_is_exit_74_and_one_line(study, tmp_path, stage):
         assert f"{run / 'ckpt'}" in errors[0] and not (run / "record.json").exists()
         assert not list(run.rglob("*.tmp")) and not list((run / "ckpt").glob("iter_*"))
         assert (target / "runs" / "fresh" / "ce" / "seed0" / "record.json").is_file()
-    else:
+    elif stage == "import":
         assert errors[0].startswith(f"error: import {target / 'megatron'}: no space left on device")
         assert not (target / "megatron").exists()
+    else:
+        assert errors[0] == (f"error: tokenize {target / 'data' / 'heldout'}: no space left on device while writing "
+                             f"{target / 'data' / 'heldout'}.partial.bin")
+        assert not list((target / "data").glob("*.partial*")) and not (target / "runs" / "fresh" / "kl").exists()
