@@ -203,6 +203,44 @@ def test_report_only_out_or_work_a_file_or_out_read_only(tool, tmp_path, capsys,
     monkeypatch.setattr(builtins, "open", real_open)
     assert code == 2 and _one_line(err) == f"--out {out}: cannot write {out / 'study.log'} (Read-only file system)"
     assert list(out.iterdir()) == []
+    # the disk full when the report is written: exit 74, as the trainer's
+    from bebop_megatron.study import report
+
+    def full(plan, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(plan.out / "RESULTS.md"))
+
+    monkeypatch.setattr(report, "write_report", full)
+    code, err = _cli(tool, [*base, "--work", tmp_path / "w", "--out", out], capsys)
+    assert code == 74 and _one_line(err) == f"the study: no space left on device while writing {out / 'RESULTS.md'}"
+
+
+def test_a_run_whose_processes_met_a_full_disk_is_exit_74(tmp_path, monkeypatch):
+    """--ranks N: the run's processes stop with the trainer's exit 74 and its line; the study
+    says that line and exits 74 too (it said it with exit 2)."""
+    import subprocess
+
+    from bebop_megatron.study import runs
+    from bebop_megatron.study.log import StudyDiskError
+
+    line = f"no space left on device while writing {tmp_path / 'run' / 'ckpt' / 'iter_0000001.tmp'}"
+
+    class Ranks:  # torchrun, its ranks stopped by the disk
+        def __init__(self, cmd, env, stdout, stderr):
+            stderr.write(f"error: {line}\n")
+            stderr.flush()
+
+        def wait(self):
+            return 74
+
+        def poll(self):
+            return 74
+
+    monkeypatch.setattr(subprocess, "Popen", Ranks)
+    with pytest.raises(StudyDiskError) as err:
+        runs.launch_run(tmp_path / "run", runs.RunConfig("model.yaml", []), json.dumps, ranks=2, temperatures=(1.0,),
+                        gamma=3, chunk_positions=64, save_head=None, verbose=False, meta=None)
+    assert str(err.value) == f"{tmp_path / 'run'}: the run's 2 processes stopped: {line}"
+    assert err.value.exit_code == 74
 
 
 # ----------------------------------------------------------------------------- before any work
