@@ -18,8 +18,8 @@
 Every flag and every run's trainer config are checked first, before any work; --work records the
 model, import and prompts it was made from (WORK/fingerprint.json: a study of others there is
 refused). Stages, each resumable from --work (a complete stage is skipped; run the same command
-again after an interruption): the import (tools/convert_from_hf.py; none with --megatron); the responses
-(batched transformers generate at T=1, train and held-out prompts disjoint) and their indexed
+again after an interruption): the import (tools/convert_from_hf.py; none with --megatron); the
+responses (batched transformers generate at T=1, train and held-out prompts disjoint) and their indexed
 datasets; for the ``existing`` condition the seed's ce head; then every (condition, seed,
 objective) run, in this process or, with --ranks N, in N processes at tensor parallel N: the
 training with learning curves (the trainer's held-out pass: alpha, E[L] by Eq. 12 and the
@@ -28,10 +28,10 @@ statistics, per position, with the response of every position); last the report 
 RESULTS.md (tables, paired differences against ce and kl with 95% intervals from a bootstrap over
 responses and seeds, a recommendation line per condition), results.csv, curves_<condition>.png,
 summary.json. --pack DIR writes the study's portable state (its responses without the prompts, the
-finished runs' records and rows, MANIFEST.json) into DIR (new, empty or an earlier pack) and stops; --unpack DIR restores it into
---work before the stages (each response line rebuilt from --prompts and the model's tokenizer and
-checked against the pack's sha256); the existing condition's ce heads are not packed (weights):
-retrained when needed. See docs/study.md.
+finished runs' records and rows, MANIFEST.json) into DIR (new, empty or an earlier pack) and
+stops; --unpack DIR restores it into --work before the stages (each response line rebuilt from
+--prompts and the model's tokenizer and checked against the pack's sha256); the existing
+condition's ce heads are not packed (weights): retrained when needed. See docs/study.md.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--pack", metavar="DIR",
                    help="write --work's portable state into DIR and stop (nothing is trained; DIR: a new or empty "
                         "folder, or an earlier pack, replaced atomically; anything else is refused, as is a DIR at, "
-                        "inside or above --work): the responses without what their prompts give back (gzip), the responses "
-                        "stage's files, every finished run's record.json and rows.npz, MANIFEST.json (the machine, "
+                        "inside or above --work): the responses without what their prompts give back (gzip), the "
+                        "responses stage's files, every finished run's record.json and rows.npz, MANIFEST.json (the machine, "
                         "the date, the commit); not the import nor the existing condition's ce heads (weights: "
                         "retrained after an unpack); needs only --work (--prompts: its manifest.json is recorded)")
     c.add_argument("--unpack", metavar="DIR",
@@ -199,10 +199,12 @@ def check_before_work(args, plan, work: Path) -> tuple[Path | None, dict | None,
     every run's trainer config (:func:`bebop_megatron.study.driver.check_configs`). Returns the
     model folder, the prompt sets and the fingerprint to record."""
     from bebop_megatron.study import fingerprint
-    from bebop_megatron.study.driver import check_configs
+    from bebop_megatron.study.driver import check_configs, check_flags
     from bebop_megatron.study.log import StudyError
     from bebop_megatron.study.stages import import_sections, import_steps, is_done, prompt_sets
 
+    if not args.report_only:
+        check_flags(plan)  # before a registry model is fetched
     sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout) if args.prompts else None
     if args.report_only and args.unpack is None:  # nothing is generated: a model only where it is at hand
         hf = Path(args.hf_dir) if args.hf_dir and (Path(args.hf_dir) / "config.json").is_file() else None

@@ -105,14 +105,9 @@ def check_seeds(seeds, flag: str = "--seeds") -> None:
         raise StudyError(f"{flag}: {bad[0]} is out of range; seeds are integers from 0 to {SEED_MAX}")
 
 
-def check_configs(plan: StudyPlan, *, sections: dict | None = None) -> None:
-    """Before any work (the import, the responses, the first run): the objectives are loss types,
-    the device exists, and every run's trainer config (each objective; the existing condition;
-    its ce head) loads and validates with the study's sizes, ``--set`` overrides and precision,
-    at ``plan.ranks``. The model's sections come from ``plan.meg``'s ``bebop_model.yaml`` when
-    the import is there, else from ``sections`` (:func:`bebop_megatron.study.stages.import_sections`:
-    what the import will write). The data files are checked when given (``plan.train_files``)."""
-    from bebop_megatron.config import ConfigError, load_config, parallel_sizes
+def check_flags(plan: StudyPlan) -> None:
+    """What needs neither the model nor a config: the objectives are loss types, the seeds numpy's,
+    the device exists (before a registry model is fetched)."""
     from bebop_megatron.config.loader import LOSS_TYPES
 
     bad = [o for o in plan.objectives if o not in LOSS_TYPES]
@@ -124,6 +119,18 @@ def check_configs(plan: StudyPlan, *, sections: dict | None = None) -> None:
 
         if not torch.cuda.is_available():
             raise StudyError("--device cuda: no CUDA device is visible here; use --device cpu")
+
+
+def check_configs(plan: StudyPlan, *, sections: dict | None = None) -> None:
+    """Before any work (the import, the responses, the first run): the objectives are loss types,
+    the device exists, and every run's trainer config (each objective; the existing condition;
+    its ce head) loads and validates with the study's sizes, ``--set`` overrides and precision,
+    at ``plan.ranks``. The model's sections come from ``plan.meg``'s ``bebop_model.yaml`` when
+    the import is there, else from ``sections`` (:func:`bebop_megatron.study.stages.import_sections`:
+    what the import will write). The data files are checked when given (``plan.train_files``)."""
+    from bebop_megatron.config import ConfigError, load_config, parallel_sizes
+
+    check_flags(plan)
     file = plan.meg / "bebop_model.yaml"
     if not file.is_file() and sections is None:
         raise StudyError(f"{plan.meg}: no bebop_model.yaml (not an import of tools/convert_from_hf.py)")
