@@ -143,7 +143,8 @@ def test_readme_quick_start_shows_the_commands_ci_runs():
     """.ci/run runs the README's setup and test commands: the quick start shows exactly those (and
     installs Slurm for tests/test_production_slurm_real.py where it is missing, as root)."""
     commands = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
-                if line.strip() and not line.lstrip().startswith(("#", "set ", "cd ", "if ", "apt-get ", "fi"))]
+                if line.strip() and not line.lstrip().startswith(("#", "set ", "cd ", "if ", "apt-get ", "fi", "PACKAGES",
+                                                                  "{ command -v", "command -v"))]
     assert commands == ["python3.12 -m venv .venv && .venv/bin/pip install -e '.[test]'",
                         ".venv/bin/python -m pytest -q tests"]
     text = README.read_text(encoding="utf-8")

@@ -15,9 +15,11 @@
     python tools/objective_study.py --work WORK --pack DIR
     python tools/objective_study.py --unpack DIR [same options as the study]
 
-Stages, each resumable from --work (a complete stage is skipped; run the same command again after
-an interruption): the import (tools/convert_from_hf.py; none with --megatron); the responses
-(batched transformers generate at T=1, train and held-out prompts disjoint) and their indexed
+Every flag and every run's trainer config are checked first, before any work; --work records the
+model, import and prompts it was made from (WORK/fingerprint.json: a study of others there is
+refused). Stages, each resumable from --work (a complete stage is skipped; run the same command
+again after an interruption): the import (tools/convert_from_hf.py; none with --megatron); the
+responses (batched transformers generate at T=1, train and held-out prompts disjoint) and their indexed
 datasets; for the ``existing`` condition the seed's ce head; then every (condition, seed,
 objective) run, in this process or, with --ranks N, in N processes at tensor parallel N: the
 training with learning curves (the trainer's held-out pass: alpha, E[L] by Eq. 12 and the
@@ -28,7 +30,7 @@ hierarchical bootstrap check and the response-only interval; a recommendation li
 and temperature, none where the held-out text was sampled at another temperature; a partial study
 names its missing runs), results.csv, curves_<condition>.png, summary.json. --pack DIR writes the
 study's portable state (its responses without the prompts, the finished runs' records and rows,
-MANIFEST.json) into DIR and stops; --unpack DIR restores it into
+MANIFEST.json) into DIR (new, empty or an earlier pack) and stops; --unpack DIR restores it into
 --work before the stages (each response line rebuilt from --prompts and the model's tokenizer and
 checked against the pack's sha256); the existing condition's ce heads are not packed (weights):
 retrained when needed. See docs/study.md.
@@ -53,7 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--megatron", help="an import of tools/convert_from_hf.py (its MTP layers for --existing import); "
                                       "with --model or --hf-dir: the import of that model, which then only answers "
                                       "--prompts (no import stage)")
-    m.add_argument("--mtp-num-steps", type=int, default=3, help="MTP steps of the import (default 3)")
+    m.add_argument("--mtp-num-steps", type=int, default=None,
+                   help="MTP steps of the import (default 3); refused when the work folder's import has other "
+                        "steps, or, given, when --megatron's has")
     d = p.add_argument_group("the data (one of)")
     d.add_argument("--prompts", help="prompts: one JSONL file (the first --num-heldout held out) or a folder of "
                                      "train.jsonl and heldout.jsonl; the model answers them at T=1 (needs --model or "
@@ -73,14 +77,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(GQA models, dense or MoE; same seeds and sampler; tools/generate_responses.py --megatron)")
     d.add_argument("--cuda-graphs", action="store_true", help="--gen-engine megatron on CUDA: CUDA-graph decode steps")
     s = p.add_argument_group("the study")
-    s.add_argument("--work", required=True, help="work folder: every stage resumes from it")
+    s.add_argument("--work", required=True,
+                   help="work folder: every stage resumes from it; it records what it was made from (WORK/"
+                        "fingerprint.json: the model, the --megatron import, the prompts) and a study of other ones "
+                        "is refused")
     s.add_argument("--out", default=None, help="report folder (default WORK/report)")
     s.add_argument("--objectives", default=OBJECTIVES, help=f"comma-separated loss.type values (default {OBJECTIVES})")
     s.add_argument("--conditions", default="fresh", help="fresh, existing or both (default fresh)")
     s.add_argument("--existing", default="import",
                    help="the existing condition's head: 'import' (the import's MTP layers) or 'ce:N' (a fresh head "
                         "first trained with ce for N tokens, per seed); default import")
-    s.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    s.add_argument("--seeds", default="0", help="comma-separated seeds, 0 to 2**32 - 2 (default 0)")
     s.add_argument("--tokens", type=int, default=40_000, help="training tokens per run (default 40000)")
     s.add_argument("--lr", type=float, default=1e-3, help="fresh heads (cosine to lr/10; default 1e-3)")
     s.add_argument("--ft-lr", type=float, default=1e-4, help="existing heads (default 1e-4)")
@@ -111,9 +118,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--verbose", action="store_true", help="the trainer's own lines")
     c = p.add_argument_group("carrying the study to another machine (docs/study.md)")
     c.add_argument("--pack", metavar="DIR",
-                   help="write --work's portable state into DIR and stop (nothing is trained; DIR is replaced "
-                        "atomically): the responses without what their prompts give back (gzip), the responses "
-                        "stage's files, every finished run's record.json and rows.npz, MANIFEST.json (the machine, "
+                   help="write --work's portable state into DIR and stop (nothing is trained; DIR: a new or empty "
+                        "folder, or an earlier pack, replaced atomically; anything else is refused, as is a DIR at, "
+                        "inside or above --work): the responses without what their prompts give back (gzip), the "
+                        "responses stage's files, every finished run's record.json and rows.npz, MANIFEST.json (the machine, "
                         "the date, the commit); not the import nor the existing condition's ce heads (weights: "
                         "retrained after an unpack); needs only --work (--prompts: its manifest.json is recorded)")
     c.add_argument("--unpack", metavar="DIR",
@@ -123,9 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "written), the finished runs restored (one already in --work must be the same), the pack's "
                         "manifest appended to WORK/provenance.jsonl; then the study goes on as usual")
     args = p.parse_args(argv)
-    if args.pack is not None and args.unpack is not None:
-        from bebop_megatron.study.log import StudyError
+    from bebop_megatron.study.log import StudyError
 
+    if args.pack is not None and args.unpack is not None:
         raise StudyError("give --pack or --unpack, not both (--pack writes --work's state into DIR and stops; "
                          "--unpack restores a pack into --work before the study)")
     if args.pack is not None:
@@ -134,7 +142,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("give --model or --hf-dir, not both")
     if args.model is None and args.hf_dir is None and args.megatron is None:
         p.error("give one of --model, --hf-dir, --megatron")
-    if (args.prompts is None) == (args.train_data is None):
+    if args.prompts is not None and args.train_data is not None:
+        raise StudyError("give --prompts or --train-data, not both (--prompts: the model answers them and the runs "
+                         "train on its answers; --train-data: files the trainer reads as they are)")
+    if args.prompts is None and args.train_data is None:
         p.error("give --prompts or --train-data (with --heldout-data)")
     if args.train_data is not None and args.heldout_data is None:
         p.error("--train-data needs --heldout-data")
@@ -143,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("num_train", "num_heldout", "max_new_tokens", "gen_batch_size", "tokens", "seq_length",
                  "micro_batch_size", "global_batch_size", "curve_points", "curve_rows", "loss_chunk_tokens",
                  "eval_chunk_positions", "num_boot", "mtp_num_steps", "ranks"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("lr", "ft_lr"):
         if not 0 < getattr(args, name) < float("inf"):
@@ -153,6 +164,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.cuda_graphs and (args.gen_engine != "megatron" or args.device != "cuda"):
         p.error("--cuda-graphs needs --gen-engine megatron and --device cuda")
     args.precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
+    args.mtp_steps_given = args.mtp_num_steps is not None
+    args.mtp_num_steps = args.mtp_num_steps or 3
+    from bebop_megatron.study.preflight import parse_seeds
+
+    args.seed_list = parse_seeds(args.seeds)
+    from bebop_megatron.study.driver import check_seeds
+
+    check_seeds([args.seed], "--seed")
+    from bebop_megatron.cli import check_output_dir
+
+    check_output_dir(args.work, "--work")
+    if args.out is not None:
+        check_output_dir(args.out, "--out")
     return args
 
 
@@ -162,6 +186,7 @@ def main(argv=None) -> None:
 
     from bebop_megatron.study.driver import StudyPlan, check_plan, check_ranks, run_study
     from bebop_megatron.study.log import StudyError, log, set_log_file
+    from bebop_megatron.study.preflight import check_before_work, split
     from bebop_megatron.study.report import write_report
     from bebop_megatron.study.stages import (model_folder, prompt_sets, stage_import, stage_responses,
                                              stage_tokenize)
@@ -173,14 +198,7 @@ def main(argv=None) -> None:
         pack(work, Path(args.pack).resolve(), prompts=Path(args.prompts) if args.prompts else None)
         return
     out = Path(args.out).resolve() if args.out else work / "report"
-    work.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    set_log_file(out / "study.log")
-    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
-    try:
-        seeds = [int(x) for x in split(args.seeds)]
-    except ValueError:
-        raise StudyError(f"--seeds {args.seeds!r}: comma-separated integers") from None
+    seeds = args.seed_list
     plan = StudyPlan(work=work, out=out, meg=Path(), train_files=[], valid_files=[], objectives=split(args.objectives),
                      conditions=split(args.conditions), existing=args.existing, seeds=seeds, tokens=args.tokens,
                      lr=args.lr, ft_lr=args.ft_lr, train_on=args.train_on, seq_length=args.seq_length,
@@ -192,13 +210,25 @@ def main(argv=None) -> None:
                      verbose=args.verbose,
                      title=args.title or args.model or Path(args.hf_dir or args.megatron).name)
     check_plan(plan)
+    hf, sets, made_from = check_before_work(args, plan, work)
+    from bebop_megatron.study import fingerprint
+    from bebop_megatron.study.log import write_error
+
+    try:  # the first writes: a place that cannot be written is one line here
+        work.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "study.log", "a"):
+            pass
+        fingerprint.record(work, made_from)
+    except OSError as err:
+        name = Path(err.filename) if err.filename else None
+        mine = name is not None and (name == out or out in name.parents)
+        raise write_error(err, f"--out {out}" if mine else f"--work {work}") from None
+    set_log_file(out / "study.log")
     t0 = time.time()
-    hf = None
     if args.unpack is not None:  # before the stages: they then skip what the pack holds
         from bebop_megatron.study.pack import unpack
 
-        hf = model_folder(args.model, args.hf_dir)
-        sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout) if args.prompts else None
         unpack(work, Path(args.unpack).resolve(), sets=sets, hf=hf)
     if args.report_only:
         write_report(plan, num_boot=args.num_boot)
@@ -232,8 +262,9 @@ def cli(argv: list[str] | None = None) -> None:
     """The command line (console script ``bebop-objective-study``)."""
     argv = sys.argv[1:] if argv is None else argv
     from bebop_megatron.cli import run_cli
+    from bebop_megatron.study.preflight import guarded
 
-    run_cli(lambda: main(argv))
+    run_cli(lambda: guarded(main, argv))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import contextlib
 import errno
 import functools
 import os
+import traceback
 
 failed_writes: list[OSError] = []  # this process's failed shard writes, with their file names
 _defer_coordinator_errors = False
@@ -93,6 +94,8 @@ def record_write_errors() -> None:
 
     def write_preloaded_data(transform_list, local_proc_idx, write_bucket, *args, **kwargs):
         output = original(transform_list, local_proc_idx, write_bucket, *args, **kwargs)
+        if output is not None and isinstance(output[1], BaseException):
+            traceback.clear_frames(output[1].__traceback__)  # see _free_failed_write's locals
         if output is not None and isinstance(output[1], Exception) and not isinstance(output[1], OSError) \
                 and filesystem_full(str(write_bucket[0])):
             # torch.save's zip writer turns a short write into "[enforce fail at inline_container.cc]

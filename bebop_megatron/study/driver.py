@@ -89,10 +89,82 @@ def check_plan(plan: StudyPlan) -> None:
         parse_existing(plan.existing)
     if len(set(plan.seeds)) != len(plan.seeds) or not plan.seeds:
         raise StudyError(f"--seeds must be distinct integers, got {plan.seeds}")
+    check_seeds(plan.seeds)
     if plan.tokens < 1:
         raise StudyError(f"--tokens must be at least 1, got {plan.tokens}")
     if plan.ranks < 1:
         raise StudyError(f"--ranks must be at least 1, got {plan.ranks}")
+
+
+SEED_MAX = 2**32 - 2  # numpy's seeds end at 2**32 - 1, and the existing condition reads data with seed + 1
+
+
+def check_seeds(seeds, flag: str = "--seeds") -> None:
+    bad = [s for s in seeds if not 0 <= s <= SEED_MAX]
+    if bad:
+        raise StudyError(f"{flag}: {bad[0]} is out of range; seeds are integers from 0 to {SEED_MAX}")
+
+
+def check_flags(plan: StudyPlan) -> None:
+    """What needs neither the model nor a config: the objectives are loss types, the seeds numpy's,
+    the device exists (before a registry model is fetched)."""
+    from bebop_megatron.config.loader import LOSS_TYPES
+
+    bad = [o for o in plan.objectives if o not in LOSS_TYPES]
+    if bad:
+        raise StudyError(f"--objectives: unknown objective {bad[0]!r} (loss types: {', '.join(LOSS_TYPES)})")
+    check_seeds(plan.seeds)
+    if plan.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise StudyError("--device cuda: no CUDA device is visible here; use --device cpu")
+
+
+def check_configs(plan: StudyPlan, *, sections: dict | None = None) -> None:
+    """Before any work (the import, the responses, the first run): the objectives are loss types,
+    the device exists, and every run's trainer config (each objective; the existing condition;
+    its ce head) loads and validates with the study's sizes, ``--set`` overrides and precision,
+    at ``plan.ranks``. The model's sections come from ``plan.meg``'s ``bebop_model.yaml`` when
+    the import is there, else from ``sections`` (:func:`bebop_megatron.study.stages.import_sections`:
+    what the import will write). The data files are checked when given (``plan.train_files``)."""
+    from bebop_megatron.config import ConfigError, load_config, parallel_sizes
+
+    check_flags(plan)
+    file = plan.meg / "bebop_model.yaml"
+    if not file.is_file() and sections is None:
+        raise StudyError(f"{plan.meg}: no bebop_model.yaml (not an import of tools/convert_from_hf.py)")
+    fresh = "fresh" in plan.conditions
+    kind = parse_existing(plan.existing) if "existing" in plan.conditions else None
+    init = None if kind is None else plan.meg if kind == "import" else plan.work / "heads" / "check"
+    runs = [dict(loss=o, seed=plan.seeds[0], lr=plan.lr if fresh else plan.ft_lr, data_seed=0,
+                 init_checkpoint=None if fresh else init) for o in plan.objectives]
+    if kind is not None:
+        runs.append(dict(loss=plan.objectives[0], seed=plan.seeds[0], lr=plan.ft_lr, data_seed=1,
+                         init_checkpoint=init))
+    if isinstance(kind, tuple):
+        runs.append(dict(loss="ce", seed=plan.seeds[0], lr=plan.lr, data_seed=0, init_checkpoint=None))
+
+    def load(overrides, tensor):
+        at = overrides.index(f"parallel.tensor={plan.ranks}")
+        overrides = overrides[:at] + [f"parallel.tensor={tensor}"] + overrides[at + 1:]
+        if file.is_file():
+            return load_config(str(file), overrides)
+        return load_config(None, overrides, defaults=sections)
+
+    for run in runs:
+        cfg = train_config(plan, steps=plan.steps, curve_interval=max(1, plan.steps // plan.curve_points),
+                           folder=plan.work / "runs" / "check", **run)
+        try:
+            load(cfg.overrides, 1)
+        except ConfigError as err:
+            raise StudyError(f"the runs' trainer config (--seq-length, --micro-batch-size, --global-batch-size, "
+                             f"--precision, --set ...): {err}") from None
+        if plan.ranks > 1:
+            try:
+                parallel_sizes(load(cfg.overrides, plan.ranks), plan.ranks)
+            except ValueError as err:
+                raise StudyError(f"--ranks {plan.ranks} (tensor parallel {plan.ranks}): {err}") from None
 
 
 def check_ranks(plan: StudyPlan) -> None:

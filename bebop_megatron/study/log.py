@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import time
 from pathlib import Path
 
@@ -11,6 +12,30 @@ _MUTED = [False]
 
 class StudyError(ValueError):
     """A user-facing failure: one ``error:`` line, exit status 2."""
+
+
+class StudyDiskError(RuntimeError):
+    """The disk failed the study (no space left, quota, an I/O error): one ``error:`` line, exit
+    status 74 as the trainer's (:class:`bebop_megatron.training.write_errors.CheckpointWriteError`).
+    Said once for the process: :func:`bebop_megatron.cli.run_cli` closes its process groups first."""
+
+    exit_code = 74
+    same_on_every_rank = True
+
+
+DISK_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded", errno.EIO: "I/O error"}
+# What a write may meet besides the disk's own failures: the user's choice of place (exit 2).
+WRITE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+
+
+def write_error(err: OSError, what: str) -> Exception:
+    """One line for ``err``, met while ``what`` wrote: a :class:`StudyDiskError` (exit 74) when the
+    disk failed, else a :class:`StudyError` (exit 2: a read-only file system, permissions, a file
+    where a folder should be)."""
+    where = err.filename or what
+    if err.errno in DISK_ERRNOS:
+        return StudyDiskError(f"{what}: {DISK_ERRNOS[err.errno]} while writing {where}")
+    return StudyError(f"{what}: cannot write {where} ({err.strerror or err})")
 
 
 def set_log_file(path: Path | None) -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from bebop_megatron.platform import cpu_model
 from bebop_megatron.platform.atomic import write_atomic
-from bebop_megatron.study.log import StudyError, log
+from bebop_megatron.study.log import StudyError, log, write_error
 from bebop_megatron.study.stages import DONE, SPLITS
 
 FORMAT = 1
@@ -194,19 +194,109 @@ def _read_gz_lines(path: Path) -> list[bytes]:
 # ----------------------------------------------------------------------------- pack
 
 
+PACK_WHAT = "tools/objective_study.py --pack"
+
+
+def _pack_problem(folder: Path, *, partial: bool = False) -> str | None:
+    """What in ``folder`` a :func:`pack` did not write (None: every entry is a pack's; ``partial``:
+    a pack being built, whose ``MANIFEST.json``, written last, may be missing)."""
+    manifest = folder / MANIFEST
+    if manifest.is_file() and not manifest.is_symlink():
+        try:
+            what = json.loads(manifest.read_text()).get("what", "")
+        except (OSError, ValueError, AttributeError):
+            what = ""
+        if not str(what).startswith(PACK_WHAT):
+            return f"its {MANIFEST} is not one of {PACK_WHAT}"
+    elif not partial:
+        return f"no {MANIFEST} of {PACK_WHAT}"
+    for entry in sorted(folder.rglob("*")):
+        parts = entry.relative_to(folder).parts
+        if entry.is_symlink():
+            return f"{entry} (a symbolic link)"
+        if entry.is_dir():
+            ok = parts[0] in ("responses", "runs") and (parts[0] == "runs" and len(parts) <= 4 or len(parts) == 1) \
+                and (len(parts) < 4 or parts[3].startswith("seed"))
+        else:
+            ok = parts == (MANIFEST,) or len(parts) == 2 and parts[0] == "responses" and (
+                parts[1] in (RESPONSES_FILE, DONE) or parts[1].endswith((".jsonl.gz", ".jsonl.settings.json"))) \
+                or len(parts) == 5 and parts[0] == "runs" and parts[3].startswith("seed") and parts[4] in RUN_FILES
+        if not ok:
+            return str(entry)
+    return None
+
+
+def check_destination(work: Path, dest: Path) -> None:
+    """Before anything is written: ``dest`` (absolute) may take a pack of ``work``. Refused: ``dest``
+    (or the ``.tmp`` and ``.old`` beside it, which a pack writes and deletes) at, inside or above
+    ``work``; a file; a folder holding anything but an earlier pack (an empty one is fine)."""
+    tmp, old = dest.with_name(dest.name + ".tmp"), dest.with_name(dest.name + ".old")
+    here = work.resolve()
+    for path in (dest, tmp, old):
+        path = path.resolve()
+        if path == here or here in path.parents or path in here.parents:
+            where = "is --work" if path == here else "is inside --work" if here in path.parents else "holds --work"
+            raise StudyError(f"--pack {dest}: {path} {where} {work} (a pack replaces its folder); give a folder "
+                             "outside it")
+    probe = dest
+    while not probe.exists() and not probe.is_symlink() and probe != probe.parent:
+        probe = probe.parent
+    if probe != dest and not probe.is_dir():
+        raise StudyError(f"--pack {dest}: {probe} is not a folder")
+    if dest.exists() and not dest.is_dir():
+        raise StudyError(f"--pack {dest} is a file, not a folder: give a new or empty folder, or an earlier pack")
+    if dest.is_dir() and any(dest.iterdir()):
+        problem = _pack_problem(dest)
+        if problem:
+            raise StudyError(f"--pack {dest}: not empty and not an earlier pack ({problem}); give a new or empty "
+                             "folder, or an earlier pack to replace")
+    for path, partial in ((tmp, True), (old, False)):
+        if path.exists() or path.is_symlink():
+            problem = "a file" if not path.is_dir() or path.is_symlink() else _pack_problem(path, partial=partial)
+            if problem:
+                raise StudyError(f"--pack {dest}: {path} exists and is not " + (
+                    "a pack being written" if partial else "an earlier pack") + f" ({problem}); move it away")
+
+
 def pack(work: Path, dest: Path, *, prompts: Path | None = None) -> dict:
     """Write ``work``'s portable state into ``dest`` (replaced atomically: built in ``dest.tmp``,
-    then swapped in); returns the manifest."""
-    work, dest = Path(work), Path(dest)
+    then swapped in); returns the manifest. Nothing but an earlier pack is ever replaced or
+    deleted (:func:`check_destination`); a failed write removes what it wrote (a full disk:
+    :class:`~bebop_megatron.study.log.StudyDiskError`, exit 74) and leaves ``dest`` as it was."""
+    work, dest = Path(work).absolute(), Path(dest).absolute()
     if not work.is_dir():
         raise StudyError(f"--pack: --work {work} is no folder: nothing to pack")
-    if dest.resolve() == work.resolve() or work.resolve() in dest.resolve().parents:
-        raise StudyError(f"--pack {dest}: inside --work {work}; give a folder outside it")
+    check_destination(work, dest)
     tmp, old = dest.with_name(dest.name + ".tmp"), dest.with_name(dest.name + ".old")
-    if not dest.exists() and old.exists():  # a pack killed between its two renames: the old pack comes back
-        os.rename(old, dest)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        if not dest.exists() and old.exists():  # a pack killed between its two renames: the old pack comes back
+            os.rename(old, dest)
+        shutil.rmtree(tmp, ignore_errors=True)  # a pack being written, killed (check_destination)
+        tmp.mkdir(parents=True)
+        manifest = _write_pack(work, tmp, prompts)
+        if dest.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(dest, old)
+            try:
+                os.rename(tmp, dest)
+            except BaseException:
+                os.rename(old, dest)
+                raise
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, dest)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # written here: removed (a full disk gets its space back)
+        if isinstance(err, OSError):
+            raise write_error(err, f"--pack {dest}") from None
+        raise
+    log(f"pack: {dest}: " + (", ".join(f"{s} {v['lines']} responses" for s, v in manifest["splits"].items())
+                             or "no responses")
+        + f", {len(manifest['runs'])} finished runs (not packed: the import and the heads; MANIFEST.json)")
+    return manifest
+
+
+def _write_pack(work: Path, tmp: Path, prompts: Path | None) -> dict:
     data = work / "data"
     splits = {}
     for split in SPLITS:
@@ -243,7 +333,7 @@ def pack(work: Path, dest: Path, *, prompts: Path | None = None) -> dict:
             shutil.copyfile(folder / file, out / file)
         runs[name] = {"record_sha256": _sha256_file(out / "record.json"),
                       "rows_sha256": _sha256_file(out / "rows.npz"), "made_on": made_on[name] or here}
-    manifest = {"format": FORMAT, "what": "tools/objective_study.py --pack: the portable state of a study "
+    manifest = {"format": FORMAT, "what": f"{PACK_WHAT}: the portable state of a study "
                                           "(docs/study.md#carrying-a-study-to-another-machine)",
                 "date": _now(), "machine": here, "git": _git(), "work": str(work),
                 "splits": splits, "responses_complete": DONE in stage, "runs": runs, "not_packed": NOT_PACKED}
@@ -253,16 +343,6 @@ def pack(work: Path, dest: Path, *, prompts: Path | None = None) -> dict:
         except (OSError, ValueError):
             pass
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-    if dest.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(dest, old)
-        os.rename(tmp, dest)
-        shutil.rmtree(old)
-    else:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, dest)
-    log(f"pack: {dest}: " + (", ".join(f"{s} {v['lines']} responses" for s, v in splits.items()) or "no responses")
-        + f", {len(runs)} finished runs (not packed: the import and the heads; MANIFEST.json)")
     return manifest
 
 

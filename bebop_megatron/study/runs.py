@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from bebop_megatron.platform.atomic import atomic_open, write_atomic
-from bebop_megatron.study.log import StudyError, log, log_file
+from bebop_megatron.study.log import StudyDiskError, StudyError, log, log_file
 from bebop_megatron.study.stages import free_cuda
 
 LAUNCH_FILE = "launch.json"  # a run's settings for its processes (ranks > 1)
@@ -251,6 +251,8 @@ def launch_run(folder: Path, run: RunConfig, *, ranks: int, temperatures, gamma:
     if code != 0 or not is_finished(folder):
         lines = (folder / RANKS_LOG).read_text(errors="replace").splitlines()
         said = [line for line in lines if line.startswith("error: ")]
+        if code == StudyDiskError.exit_code and said:  # the trainer's: a checkpoint the disk did not take
+            raise StudyDiskError(f"{folder}: the run's {ranks} processes stopped: {said[0][len('error: '):]}")
         raise StudyError(f"{folder}: the run's {ranks} processes " + (f"stopped: {said[0][len('error: '):]}" if said
                          else f"ended with exit status {code}" + ("" if code else " without its record")
                          + f"; their output: {folder / RANKS_LOG}"))

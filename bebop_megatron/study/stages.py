@@ -5,11 +5,15 @@ the samples already written are kept, :func:`bebop_megatron.data.generate.load_e
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import time
+import traceback
 from pathlib import Path
+from types import TracebackType
 
-from bebop_megatron.study.log import StudyError, log
+from bebop_megatron.study.log import DISK_ERRNOS, StudyError, log, write_error
 
 DONE = ".complete"
 SPLITS = ("heldout", "train")
@@ -54,6 +58,7 @@ def model_folder(model: str | None, hf_dir: str | None) -> Path | None:
 def stage_import(hf: Path, work: Path, *, mtp_num_steps: int = 3) -> Path:
     """``tools/convert_from_hf.py``'s import of ``hf`` into ``work/megatron`` (any family it handles)."""
     from bebop_megatron.convert.importer import convert_from_hf
+    from bebop_megatron.platform.checkpoint_writer import failed_writes, filesystem_full, record_write_errors
 
     meg = work / "megatron"
     if is_done(meg):
@@ -61,13 +66,80 @@ def stage_import(hf: Path, work: Path, *, mtp_num_steps: int = 3) -> Path:
     shutil.rmtree(meg, ignore_errors=True)
     t0 = time.time()
     log(f"import: {hf} -> {meg}")
-    convert_from_hf(str(hf), str(meg), mtp_num_steps=mtp_num_steps, progress=False)
+    record_write_errors()  # a shard the disk does not take is recorded with its file (Megatron's writer hides it)
+    failed_writes.clear()
+    try:
+        convert_from_hf(str(hf), str(meg), mtp_num_steps=mtp_num_steps, progress=False)
+    except BaseException as err:
+        disk = write_problem(err) or next((e for e in failed_writes if e.errno in DISK_ERRNOS), None)
+        failed_writes.clear()
+        if disk is None and not isinstance(err, (KeyboardInterrupt, SystemExit)) and filesystem_full(str(meg)):
+            # torch.save's zip writer says a short write as "unexpected pos N vs M" (no OSError)
+            disk = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(meg))
+        shutil.rmtree(meg, ignore_errors=True)  # incomplete: redone by the next run, its space given back now
+        if disk is not None:
+            raise write_error(disk, f"import {meg}") from None
+        raise
     from bebop_megatron.platform import end_single_process
 
     end_single_process()  # the import's CPU mode would keep the later CUDA stages on the CPU
     mark_done(meg)
     log(f"import: {time.time() - t0:.0f} s")
     return meg
+
+
+def write_problem(err: BaseException) -> OSError | None:
+    """The disk's failure (no space left, quota, I/O) in ``err`` or the errors it came from
+    (causes, contexts, torch's ``CheckpointException.failures``); None: another failure."""
+    seen: set = set()
+    todo, found = [err], None
+    while todo:
+        exc = todo.pop()
+        if isinstance(exc, TracebackType):
+            traceback.clear_frames(exc)
+            continue
+        if exc is None or id(exc) in seen or not isinstance(exc, BaseException):
+            continue
+        seen.add(id(exc))
+        # Their frames' locals go now, by reference counts: left to the garbage collector, a
+        # memoryview of a BytesIO (torch's checkpoint writer's) crashed CPython 3.12 (SIGSEGV).
+        traceback.clear_frames(exc.__traceback__)
+        if found is None and isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            found = exc
+        failures = getattr(exc, "failures", None)
+        todo += [exc.__cause__, exc.__context__, *exc.args]
+        if isinstance(failures, dict):
+            todo += [x for f in failures.values() for x in (f if isinstance(f, tuple) else (f,))]
+    return found
+
+
+def import_sections(hf: Path, mtp_num_steps: int) -> dict:
+    """The ``model`` and ``mtp`` sections the import of ``hf`` will write (its ``bebop_model.yaml``),
+    from its ``config.json`` alone: the runs' configs are checked with them before the import."""
+    from bebop_megatron.convert.hf_config import describe, model_overrides, padded_vocab, read_config
+    from bebop_megatron.convert.importer import DEFAULT_MTP_STEPS
+
+    model = describe(read_config(str(hf)))
+    num_mtp = model.num_mtp_layers or 1
+    steps = mtp_num_steps or (num_mtp if num_mtp > 1 else DEFAULT_MTP_STEPS)
+    if num_mtp > 1 and steps != num_mtp:
+        raise StudyError(f"--mtp-num-steps {steps}: {hf} has {num_mtp} MTP layers: give --mtp-num-steps {num_mtp}")
+    rows = padded_vocab(model.vocab_size, 128, 8)  # convert_from_hf's defaults
+    return {"model": model_overrides(model, rows, 128), "mtp": {"num_layers": num_mtp, "num_steps": steps}}
+
+
+def import_steps(meg: Path) -> int | None:
+    """``mtp.num_steps`` of an import's ``bebop_model.yaml`` (None: none there)."""
+    from omegaconf import OmegaConf
+
+    path = meg / "bebop_model.yaml"
+    if not path.is_file():
+        return None
+    try:
+        return int(OmegaConf.select(OmegaConf.load(path), "mtp.num_steps"))
+    except Exception as err:  # a damaged file: the trainer names it when it loads it
+        log(f"{path}: cannot read mtp.num_steps ({type(err).__name__})")
+        return None
 
 
 def prompt_sets(prompts: Path, num_train: int, num_heldout: int) -> dict:
@@ -181,8 +253,14 @@ def stage_tokenize(meg: Path, data: Path) -> None:
         if stamp.is_file() and stamp.read_text() == key:
             continue
         t0 = time.time()
-        preprocess([str(src)], str(data / split), tokenizer_dir=str(meg / "hf"), train_on="response",
-                   on_error="fail", progress=False, overwrite=True)  # the responses changed: tokenized again
+        try:
+            preprocess([str(src)], str(data / split), tokenizer_dir=str(meg / "hf"), train_on="response",
+                       on_error="fail", progress=False, overwrite=True)  # the responses changed: tokenized again
+        except ValueError as err:  # its DataError; a full disk is the disk's (exit 74)
+            disk = write_problem(err)
+            if disk is not None:
+                raise write_error(disk, f"tokenize {data / split}") from None
+            raise
         stamp.write_text(key)
         log(f"tokenize ({split}): {time.time() - t0:.1f} s")
 
