@@ -205,6 +205,9 @@ def test_study_dry_run_every_stage_and_resume(dry_run):
         assert end["accept_len_decode_rs"][2] == pytest.approx(acc / ver, rel=1e-4)
         # every position belongs to a held-out response, numbered as the decode-exact sums
         assert rows["1|text"].max() + 1 == len(rows["1|decode_rs"]) and len(rows["1|decode_rs"]) >= 4
+        # T=0.7 is evaluated on the held-out prompts' answers sampled at 0.7, not on the T=1 text
+        assert r["own_text_temperatures"] == ["0.7"] and rows["0.7|text"].max() + 1 == len(rows["0.7|decode_rs"])
+        assert rows["0.7|chain"].shape[1] != rows["1|chain"].shape[1]
     # Per seed the same initialisation (the untrained head's curve point) for every objective, another per seed.
     for seed in (0, 1):
         assert runs["fresh", "ce", seed]["curve"][0] == runs["fresh", "e2e_tv", seed]["curve"][0]
@@ -217,14 +220,25 @@ def test_study_dry_run_every_stage_and_resume(dry_run):
         assert start["alpha_rs"] == pytest.approx(ce_end["alpha_rs"], abs=1e-6)
         assert start["accept_len_decode_rs"] == pytest.approx(ce_end["accept_len_decode_rs"], abs=1e-6)
     assert not list(work.glob("heads/*.run"))
+    # the held-out prompts answered at T=1 and at 0.7: the same ids, other texts, the temperature recorded
+    responses = json.loads((work / "data" / "responses.json").read_text())
+    assert responses["heldout"]["temperature"] == 1.0 and responses["heldout_t0p7"]["temperature"] == 0.7
+    at = {split: [json.loads(line) for line in (work / "data" / f"{split}.jsonl").read_text().splitlines()]
+          for split in ("heldout", "heldout_t0p7")}
+    assert sorted(x["id"] for x in at["heldout"]) == sorted(x["id"] for x in at["heldout_t0p7"])
+    answers = {split: [x["messages"][-1]["content"] for x in lines] for split, lines in at.items()}
+    assert answers["heldout"] != answers["heldout_t0p7"]
+    assert (work / "data" / "heldout_t0p7.bin").is_file()
     text = (out / "RESULTS.md").read_text()
     assert "## Condition `fresh`" in text and "## Condition `existing`" in text
-    # the recommendation per temperature, at the top and in its section; T=0.7: no text sampled at 0.7
+    # the recommendation per temperature, at the top and in its section: T=0.7 on its own text (the
+    # held-out prompts answered at 0.7), so its decode-exact number is exact too
     assert "paired difference against ce" in text and "E[L]\\(3) decode-exact" in text
-    assert text.count("- fresh, T=1: ") == 2 and text.count("- fresh, T=0.7: no recommendation: no T=0.7 text") == 2
+    assert text.count("- fresh, T=1: ") == 2 and text.count("- fresh, T=0.7: ") == 2
+    assert "no recommendation" not in text and "the same held-out prompts answered at each temperature" in text
     assert "(2 seeds, 768 tokens per run" in text and "Partial study" not in text
     csv_text = (out / "results.csv").read_text()
-    assert "fresh,e2e_tv,ce,0.7,1,yes,2,0/1,768," in csv_text and ",diff_accept_len_decode_rs_g3," in csv_text
+    assert "fresh,e2e_tv,ce,0.7,0.7,no,2,0/1,768," in csv_text and ",diff_accept_len_decode_rs_g3," in csv_text
     if importlib.util.find_spec("matplotlib"):
         assert (out / "curves_fresh.png").stat().st_size > 0 and (out / "curves_existing.png").stat().st_size > 0
     assert "NaN" not in (out / "summary.json").read_text() and "NaN" not in (killed / "record.json").read_text()

@@ -23,7 +23,8 @@ from tests.helpers import forkserver
 from tests.helpers.launch import REPO
 from tests.test_objective_study import STUDY, _command, _env, _tiny_model
 
-SPLITS = ("heldout", "train")
+SPLITS = ("heldout", "train")  # the prompt sets
+RESPONSE_SPLITS = (*SPLITS, "heldout_t0p7")  # the responses: also the held-out prompts answered at T=0.7
 RUN_FILES = ("record.json", "rows.npz")
 
 
@@ -62,7 +63,7 @@ def test_the_pack_holds_no_prompt_text(packed):
     tmp, pack = packed
     prompts = [json.loads(line)["prompt"] for s in SPLITS for line in (tmp / "prompts" / f"{s}.jsonl").read_text()
                .splitlines()]
-    for split in SPLITS:
+    for split in RESPONSE_SPLITS:
         text = gzip.decompress((pack / "responses" / f"{split}.jsonl.gz").read_bytes()).decode()
         assert not any(p in text for p in prompts)
         originals = (tmp / "work" / "data" / f"{split}.jsonl").read_bytes().splitlines(keepends=True)
@@ -78,7 +79,7 @@ def test_the_pack_holds_no_prompt_text(packed):
                                             original["num_tokens"])
     manifest = json.loads((pack / "MANIFEST.json").read_text())
     assert {s: v["lines"] for s, v in manifest["splits"].items()} == {
-        s: len((tmp / "work" / "data" / f"{s}.jsonl").read_text().splitlines()) for s in SPLITS}
+        s: len((tmp / "work" / "data" / f"{s}.jsonl").read_text().splitlines()) for s in RESPONSE_SPLITS}
     assert len(manifest["runs"]) == 8 and manifest["responses_complete"] is True
     assert manifest["machine"]["cores"] >= 1 and manifest["machine"]["cpu"] and "torch" in manifest["machine"]
     assert "WORK/heads" in manifest["not_packed"] and "retrained" in manifest["not_packed"]
@@ -94,7 +95,7 @@ def test_unpack_gives_back_the_study(packed, tmp_path):
     work = tmp_path / "work"
     proc = _tool(*_study_args(tmp, work), "--unpack", str(pack), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    for split in SPLITS:
+    for split in RESPONSE_SPLITS:
         assert (work / "data" / f"{split}.jsonl").read_bytes() == (tmp / "work" / "data" / f"{split}.jsonl").read_bytes()
     assert _run_files(work) == _run_files(tmp / "work")
     assert "8 finished, 0 to run" in proc.stdout

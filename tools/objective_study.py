@@ -19,12 +19,14 @@ Every flag and every run's trainer config are checked first, before any work; --
 model, import and prompts it was made from (WORK/fingerprint.json: a study of others there is
 refused). Stages, each resumable from --work (a complete stage is skipped; run the same command
 again after an interruption): the import (tools/convert_from_hf.py; none with --megatron); the
-responses (batched transformers generate at T=1, train and held-out prompts disjoint) and their indexed
-datasets; for the ``existing`` condition the seed's ce head; then every (condition, seed,
-objective) run, in this process or, with --ranks N, in N processes at tensor parallel N: the
-training with learning curves (the trainer's held-out pass: alpha, E[L] by Eq. 12 and the
-decode-exact E[L]), the held-out evaluation at T=1 and 0.7 (tools/eval_acceptance.py's
-statistics, per position, with the response of every position); last the report in --out:
+responses (batched transformers generate at T=1, train and held-out prompts disjoint; the held-out
+prompts answered again at 0.7, so that each temperature's decode-exact forecast runs on text sampled at
+it) and their indexed datasets; for the ``existing`` condition the seed's ce head; then every
+(condition, seed, objective) run, in this process or, with --ranks N, in N processes at tensor
+parallel N: the training with learning curves (the trainer's held-out pass on the T=1 text: alpha,
+E[L] by Eq. 12 and the decode-exact E[L]), the held-out evaluation at T=1 and 0.7, each on its own
+text (tools/eval_acceptance.py's statistics, per position, with the response of every position); last
+the report in --out:
 RESULTS.md (tables, paired differences against ce and kl with 95% t-intervals over seeds, a
 hierarchical bootstrap check and the response-only interval; a recommendation line per condition
 and temperature, none where the held-out text was sampled at another temperature; a partial study
@@ -188,8 +190,8 @@ def main(argv=None) -> None:
     from bebop_megatron.study.log import StudyError, log, set_log_file
     from bebop_megatron.study.preflight import check_before_work, split
     from bebop_megatron.study.report import write_report
-    from bebop_megatron.study.stages import (model_folder, prompt_sets, stage_import, stage_responses,
-                                             stage_tokenize)
+    from bebop_megatron.study.stages import (heldout_files, model_folder, prompt_sets, stage_import,
+                                             stage_responses, stage_tokenize)
 
     work = Path(args.work).resolve()
     if args.pack is not None:
@@ -246,10 +248,11 @@ def main(argv=None) -> None:
         sets = prompt_sets(Path(args.prompts), args.num_train, args.num_heldout)
         gen = stage_responses(hf, sets, data, device=args.device, seed=args.seed, max_new_tokens=args.max_new_tokens,
                               batch_size=args.gen_batch_size, dtype=args.gen_precision, engine=args.gen_engine,
-                              cuda_graphs=args.cuda_graphs,
+                              cuda_graphs=args.cuda_graphs, heldout_temperatures=plan.temperatures,
                               deadline=None if args.gen_budget_s is None else time.time() + args.gen_budget_s)
         stage_tokenize(plan.meg, data)
         plan.train_files, plan.valid_files = [data / "train"], [data / "heldout"]
+        plan.heldout_files = heldout_files(data, gen, plan.temperatures)
         plan.info["responses"] = gen
     else:
         plan.train_files, plan.valid_files = split(args.train_data), split(args.heldout_data)

@@ -65,6 +65,7 @@ class StudyPlan:
     keep_checkpoints: bool = False  # a finished run keeps RUN/ckpt (its last training checkpoint)
     overrides: list = field(default_factory=list)
     temperatures: tuple = TEMPERATURES
+    heldout_files: dict = field(default_factory=dict)  # {T: the held-out text sampled at T}; else valid_files
     gamma: int = GAMMA
     verbose: bool = False
     title: str = ""
@@ -237,7 +238,8 @@ def existing_head(plan: StudyPlan, seed: int) -> Path:
     log(f"existing head (seed {seed}): ce for {steps * plan.tokens_per_step:,} tokens")
     cfg = train_config(plan, loss="ce", seed=seed, steps=steps, lr=plan.lr, data_seed=seed, init_checkpoint=None,
                        curve_interval=0)
-    run_one(plan.work / "heads" / f"ce_{tokens}_seed{seed}.run", cfg, temperatures=plan.temperatures, gamma=plan.gamma, chunk_positions=plan.chunk_positions, save_head=head,
+    run_one(plan.work / "heads" / f"ce_{tokens}_seed{seed}.run", cfg, temperatures=plan.temperatures,
+            heldout_files=plan.heldout_files, gamma=plan.gamma, chunk_positions=plan.chunk_positions, save_head=head,
             verbose=plan.verbose, meta={"condition": "head", "objective": "ce", "seed": seed}, ranks=plan.ranks,
             keep_checkpoint=plan.keep_checkpoints)
     mark_done(head)
@@ -273,8 +275,8 @@ def run_study(plan: StudyPlan) -> dict:
                            data_seed=seed if fresh else seed + 1, init_checkpoint=init,
                            curve_interval=max(1, plan.steps // plan.curve_points), folder=folder)
         head = head_path(plan, seed) if fresh and objective == "ce" and shares_fresh_ce(plan) else None
-        record = run_one(folder, cfg, temperatures=plan.temperatures, gamma=plan.gamma,
-                         chunk_positions=plan.chunk_positions, verbose=plan.verbose, save_head=head,
+        record = run_one(folder, cfg, temperatures=plan.temperatures, heldout_files=plan.heldout_files,
+                         gamma=plan.gamma, chunk_positions=plan.chunk_positions, verbose=plan.verbose, save_head=head,
                          meta={"condition": condition, "objective": objective, "seed": seed}, ranks=plan.ranks,
                          keep_checkpoint=plan.keep_checkpoints)
         if head is not None:

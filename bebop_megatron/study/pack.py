@@ -41,7 +41,7 @@ from pathlib import Path
 from bebop_megatron.platform import cpu_model
 from bebop_megatron.platform.atomic import write_atomic
 from bebop_megatron.study.log import StudyError, log, write_error
-from bebop_megatron.study.stages import DONE, SPLITS
+from bebop_megatron.study.stages import DONE, SPLITS, is_heldout
 
 FORMAT = 1
 MANIFEST = "MANIFEST.json"
@@ -299,7 +299,7 @@ def pack(work: Path, dest: Path, *, prompts: Path | None = None) -> dict:
 def _write_pack(work: Path, tmp: Path, prompts: Path | None) -> dict:
     data = work / "data"
     splits = {}
-    for split in SPLITS:
+    for split in (*SPLITS, *sorted(p.name.removesuffix(".jsonl") for p in data.glob("heldout_t*.jsonl"))):
         src = data / f"{split}.jsonl"
         if not src.is_file():
             continue
@@ -436,9 +436,9 @@ def unpack(work: Path, src: Path, *, sets: dict | None, hf: Path | None) -> dict
         except ValueError as err:
             raise StudyError(str(err)) from None
         for split in splits:
-            if split not in SPLITS:
+            if split not in SPLITS and not is_heldout(split):
                 raise StudyError(f"--unpack {src}: unknown split {split!r} in {MANIFEST}")
-            lines = rebuild_split(src, split, sets[split], tokenizer)
+            lines = rebuild_split(src, split, sets["heldout" if is_heldout(split) else split], tokenizer)
             if len(lines) != splits[split]["lines"]:
                 raise StudyError(f"--unpack {src}: {split}: {len(lines)} packed lines, {MANIFEST} says "
                                  f"{splits[split]['lines']} (a damaged pack)")

@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
         mute()
     cfg = RunConfig(spec["config_file"], spec["overrides"]).load()
     train_and_evaluate(Path(spec["folder"]), cfg, temperatures=tuple(spec["temperatures"]), gamma=spec["gamma"],
-                       chunk_positions=spec["chunk_positions"],
+                       chunk_positions=spec["chunk_positions"], heldout_files=spec.get("heldout_files") or {},
                        save_head=None if spec["save_head"] is None else Path(spec["save_head"]),
                        verbose=spec["verbose"], meta=spec["meta"], keep_checkpoint=spec["keep_checkpoint"])
 

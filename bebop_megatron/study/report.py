@@ -72,6 +72,17 @@ def heldout_temperature(plan) -> tuple[float | None, str]:
     return float(heldout.get("temperature", 1.0)), "WORK/data/responses.json, the responses stage"
 
 
+def text_temperatures(plan, found: dict, taus: list[str]) -> dict[str, float | None]:
+    """Each evaluation temperature's held-out text temperature: T itself where every finished run
+    was evaluated at T on the held-out answers sampled at T (the responses stage's ``heldout_t0p7`` at 0.7,
+    a run's ``own_text_temperatures``), else the T=1 held-out text's (:func:`heldout_temperature`;
+    a study whose runs differ here is labelled by the latter: approximate)."""
+    base, _ = heldout_temperature(plan)
+    records = [rec for per_obj in found.values() for seeds in per_obj.values() for rec, _ in seeds.values()]
+    return {tau: float(tau) if records and all(tau in rec.get("own_text_temperatures", ()) for rec in records)
+            else base for tau in taus}
+
+
 def columns_of(rows: dict, tau: str, gamma: int) -> dict:
     r = rows[tau]
     decode = {mode: (r[f"decode_{mode}"][:, 0], r[f"decode_{mode}"][:, 1]) for mode in ("rs", "to")}
@@ -200,10 +211,12 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
     G = plan.gamma
     taus = [_tau_key(t) for t in plan.temperatures]
     text_tau, text_source = heldout_temperature(plan)
+    text_taus = text_temperatures(plan, found, taus)  # per evaluation temperature: its text's
     # exact: the decode-exact number is computed on text sampled at its own temperature
-    exact = {tau: text_tau is not None and math.isclose(float(tau), text_tau) for tau in taus}
+    exact = {tau: text_taus[tau] is not None and math.isclose(float(tau), text_taus[tau]) for tau in taus}
     # with text of unknown temperature, the first temperature's recommendation is given, conditionally
     decides = {tau: exact[tau] or (text_tau is None and tau == taus[0]) for tau in taus}
+    own = [tau for tau in taus if text_taus[tau] != text_tau]  # evaluated on text sampled at them
     # the runs' own token counts (a report of runs made with other settings states theirs)
     run_tokens = sorted({rec["tokens"] for per_obj in found.values() for seeds in per_obj.values()
                          for rec, _ in seeds.values()}) or [plan.steps * plan.tokens_per_step]
@@ -224,7 +237,10 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
              "`E[L] Eq. 12` averages alpha products over every position; `decode-exact` is what speculative "
              "decoding measures (a verification starts after a rejection or a bonus token, not at every position).",
              "",
-             (f"Held-out text: sampled at T={text_tau:g} ({text_source}). The decode-exact E[L] is exact only on "
+             (f"Held-out text: the same held-out prompts answered at each temperature, T={', T='.join(taus)} "
+              f"({text_source}): each temperature's decode-exact E[L] is computed on the text sampled at it, "
+              "so it is exact at every temperature." if own and all(exact.values()) else
+              f"Held-out text: sampled at T={text_tau:g} ({text_source}). The decode-exact E[L] is exact only on "
               "text sampled at its own temperature: "
               + (f"at {', '.join(f'T={t}' for t in taus if not exact[t])} it is approximate (marked ≈) and drives no "
                  "recommendation." if not all(exact.values()) else "here it is, at every temperature.")
@@ -241,8 +257,9 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
     lines += machines
     csv_rows = []
     summary = {"plan": {k: str(v) if isinstance(v, Path) else v for k, v in vars(plan).items()
-                        if k not in ("train_files", "valid_files", "work", "out", "meg")},
-               "heldout_temperature": text_tau, "finished_runs": finished, "missing_runs": missing,
+                        if k not in ("train_files", "valid_files", "heldout_files", "work", "out", "meg")},
+               "heldout_temperature": text_tau, "text_temperatures": text_taus, "finished_runs": finished,
+               "missing_runs": missing,
                "never_ran": never, "conditions": {}}
     recs = []
     key = f"accept_len_decode_rs_g{G}"
@@ -271,7 +288,7 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
         def csv_row(o, versus, tau, seeds, metric, cell):
             decode = metric.removeprefix("diff_").startswith("accept_len_decode")
             csv_rows.append({"condition": condition, "objective": o, "versus": versus, "temperature": tau,
-                             "text_temperature": "unknown" if text_tau is None else f"{text_tau:g}",
+                             "text_temperature": "unknown" if text_taus[tau] is None else f"{text_taus[tau]:g}",
                              "approximate": ("no" if exact[tau] else "unknown" if decides[tau] else "yes")
                              if decode else "",
                              "seeds": len(seeds), "seed_list": "/".join(map(str, seeds)),
@@ -293,7 +310,8 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
             lines.append("")
             if not decides[tau]:
                 lines += [f"≈ approximate: the decode-exact E[L] at T={tau} is computed on "
-                          + (f"text sampled at T={text_tau:g} (no T={tau} text was sampled)" if text_tau is not None
+                          + (f"text sampled at T={text_taus[tau]:g} (no T={tau} text was sampled)"
+                             if text_taus[tau] is not None
                              else "text of unknown temperature") + "; it drives no recommendation.", ""]
         diff_keys = ["alpha_rs_step1", f"accept_len_rs_g{G}", key]
         diffs: dict = {}
@@ -334,7 +352,7 @@ def write_report(plan, *, num_boot: int = 1000) -> dict:
         for tau in taus:
             label = f"the decode-exact E[L]({G}) at T={tau}"
             if not decides[tau]:
-                cond_recs.append(approximate_line(condition, tau, text_tau, f"the decode-exact E[L]({G})"))
+                cond_recs.append(approximate_line(condition, tau, text_taus[tau], f"the decode-exact E[L]({G})"))
                 continue
             pair = {(a, b): (d[1] if d[1] is not None else {key: {"value": math.nan, "per_seed": [],
                                                                  "t": (math.nan, math.nan),

@@ -18,6 +18,7 @@ layout resumes the same way.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -88,14 +89,38 @@ def train_config(plan, *, loss: str, seed: int, steps: int, lr: float, data_seed
 
 
 def held_out_rows(trainer, *, temperatures, gamma: int, chunk_positions: int,
-                  micro_batch_size: int) -> dict:
+                  micro_batch_size: int, heldout_files: dict | None = None) -> dict:
     """Every held-out row's statistics at each temperature: ``{tau key: {"chain", "alpha_rs",
     "alpha_to", "entropy_target": [K, N], "text": [N], "decode_rs": [n, 2], "decode_to": [n, 2]}}``.
+    A temperature of ``heldout_files`` (``{tau key: dataset prefix}``) is evaluated on its own
+    text (sampled at it, so its decode-exact forecast is exact); the others on the trainer's held-out
+    set (``data.valid_files``).
 
     ``text`` names the held-out text (a document of a packed row) of every position, numbered
     in the order of :func:`bebop_megatron.losses.decode_exact.per_text_sums` (row by row,
     documents in order), so that ``decode_*`` (accepted drafts and verifications at ``gamma``
     per text) and the positions' texts agree."""
+    from bebop_megatron.data.builder import build_valid_dataset, load_tokenizer
+
+    files = {f"{float(k):g}": v for k, v in (heldout_files or {}).items()}
+    keys = [f"{float(t):g}" for t in temperatures]
+    groups = [([t for t, k in zip(temperatures, keys) if k not in files], trainer.valid_dataset)]
+    for t, k in zip(temperatures, keys):
+        if k in files:
+            cfg = copy.deepcopy(trainer.cfg)
+            cfg.data.valid_files = [str(files[k])]
+            groups.append(([t], build_valid_dataset(cfg, tokenizer=load_tokenizer(cfg), progress=False,
+                                                    log=lambda *_: None)))
+    found = {}
+    for taus, dataset in groups:
+        if taus:
+            found.update(_rows_of(trainer, dataset, temperatures=taus, gamma=gamma, chunk_positions=chunk_positions,
+                                  micro_batch_size=micro_batch_size))
+    return {k: found[k] for k in keys}
+
+
+def _rows_of(trainer, dataset, *, temperatures, gamma: int, chunk_positions: int, micro_batch_size: int) -> dict:
+    """:func:`held_out_rows` of one dataset at ``temperatures``."""
     import torch
     from megatron.core import parallel_state
 
@@ -110,7 +135,6 @@ def held_out_rows(trainer, *, temperatures, gamma: int, chunk_positions: int,
     report = AcceptanceReport(temperatures, K, gamma, [0.0, math.log(cfg.model.vocab_size)], num_scatter=0,
                               keep_positions=True)
     opts = SimpleNamespace(chunk_positions=chunk_positions, sim_trials=0)
-    dataset = trainer.valid_dataset
     texts: list[np.ndarray] = []
     num_texts = 0
     was_training = model.training
@@ -207,11 +231,13 @@ def curve_of(metrics_file: Path, trainer, tokens_per_step: int, *, K: int) -> li
 
 
 def run_one(folder: Path, run: RunConfig, *, temperatures, gamma: int, chunk_positions: int,
+            heldout_files: dict | None = None,
             save_head: Path | None = None, verbose: bool = False, meta: dict | None = None, ranks: int = 1,
             keep_checkpoint: bool = False) -> dict:
     """Train one run, evaluate it, write its folder (``record.json`` last); returns its record.
     ``ranks`` > 1: in that many processes of its own (:func:`launch_run`), else in this one."""
-    kwargs = dict(temperatures=temperatures, gamma=gamma, chunk_positions=chunk_positions, save_head=save_head,
+    kwargs = dict(temperatures=temperatures, gamma=gamma, chunk_positions=chunk_positions,
+                  heldout_files={k: str(v) for k, v in (heldout_files or {}).items()}, save_head=save_head,
                   verbose=verbose, meta=meta, keep_checkpoint=keep_checkpoint)
     if ranks > 1:
         return launch_run(folder, run, ranks=ranks, **kwargs)
@@ -219,6 +245,7 @@ def run_one(folder: Path, run: RunConfig, *, temperatures, gamma: int, chunk_pos
 
 
 def launch_run(folder: Path, run: RunConfig, *, ranks: int, temperatures, gamma: int,
+               heldout_files: dict | None = None,
                chunk_positions: int, save_head: Path | None, verbose: bool, meta: dict | None,
                keep_checkpoint: bool = False) -> dict:
     """The run in ``ranks`` processes (torchrun, ``--standalone``): its settings go to
@@ -230,6 +257,7 @@ def launch_run(folder: Path, run: RunConfig, *, ranks: int, temperatures, gamma:
     folder.mkdir(parents=True, exist_ok=True)
     spec = {"folder": str(folder), "config_file": run.file, "overrides": list(run.overrides),
             "temperatures": list(temperatures), "gamma": gamma, "chunk_positions": chunk_positions,
+            "heldout_files": {k: str(v) for k, v in (heldout_files or {}).items()},
             "save_head": None if save_head is None else str(save_head), "verbose": verbose, "meta": meta,
             "keep_checkpoint": keep_checkpoint,
             "log_file": None if log_file() is None else str(log_file())}
@@ -282,6 +310,7 @@ def _wait_forwarding_signals(proc: subprocess.Popen) -> tuple[int, int | None]:
 
 
 def train_and_evaluate(folder: Path, cfg, *, temperatures, gamma: int, chunk_positions: int,
+                       heldout_files: dict | None = None,
                        save_head: Path | None = None, verbose: bool = False, meta: dict | None = None,
                        keep_checkpoint: bool = False) -> dict:
     """The run itself, in this process, alone or as one rank of the run's processes: the trainer,
@@ -317,8 +346,8 @@ def train_and_evaluate(folder: Path, cfg, *, temperatures, gamma: int, chunk_pos
     history = trainer.train()
     train_s = time.time() - t1
     t2 = time.time()
-    rows = held_out_rows(trainer, temperatures=temperatures, gamma=gamma,
-                         chunk_positions=chunk_positions, micro_batch_size=cfg.train.micro_batch_size)
+    rows = held_out_rows(trainer, temperatures=temperatures, gamma=gamma, chunk_positions=chunk_positions,
+                         micro_batch_size=cfg.train.micro_batch_size, heldout_files=heldout_files)
     eval_s = time.time() - t2
     if save_head is not None:
         save_model_checkpoint(str(save_head), trainer.model)
@@ -331,6 +360,8 @@ def train_and_evaluate(folder: Path, cfg, *, temperatures, gamma: int, chunk_pos
             "final_train_loss": history[-1].loss if history else None, "ranks": cfg.parallel.tensor,
             "curve": [start] + curve_of(folder / "metrics.jsonl", trainer, tokens_per_step, K=cfg.mtp.num_steps),
             "metrics": {tau: point_metrics(r, gamma) for tau, r in rows.items()},
+            # the temperatures evaluated on held-out text sampled at them (the others: on data.valid_files)
+            "own_text_temperatures": sorted(f"{float(k):g}" for k in (heldout_files or {})),
         }
         save_rows(folder / "rows.npz", rows)
         write_json(folder / "record.json", record)

@@ -17,6 +17,29 @@ from bebop_megatron.study.log import DISK_ERRNOS, StudyError, log, write_error
 
 DONE = ".complete"
 SPLITS = ("heldout", "train")
+"""The responses at the sampling temperature (T=1): ``heldout`` (the curves' and the T=1 evaluation's
+text) and ``train``; each other evaluation temperature T gets its own held-out split
+(:func:`heldout_split`), the same held-out prompts answered at T."""
+
+
+def heldout_split(temperature: float) -> str:
+    """The held-out split of text sampled at ``temperature``: ``heldout`` at T=1, ``heldout_t0p7`` at 0.7
+    (no dot: the split is also an indexed dataset's prefix)."""
+    return "heldout" if temperature == 1.0 else f"heldout_t{temperature:g}".replace(".", "p")
+
+
+def is_heldout(split: str) -> bool:
+    return split == "heldout" or split.startswith("heldout_t")
+
+
+def response_splits(temperatures=()) -> dict[str, float | None]:
+    """``{split: its sampling temperature}``: :data:`SPLITS` at the stage's own temperature (None here)
+    and a held-out split per other evaluation temperature."""
+    out: dict[str, float | None] = {split: None for split in SPLITS}
+    for tau in temperatures:
+        if heldout_split(float(tau)) not in out:
+            out[heldout_split(float(tau))] = float(tau)
+    return out
 
 
 def is_done(path: Path) -> bool:
@@ -179,40 +202,50 @@ def _messages_key(prompt) -> str:
 def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int, max_new_tokens: int,
                     batch_size: int, chunk_batches: int = 2, deadline: float | None = None,
                     temperature: float = 1.0, dtype: str = "auto", engine: str = "hf",
-                    cuda_graphs: bool = False) -> dict:
+                    cuda_graphs: bool = False, heldout_temperatures=()) -> dict:
     """The model's own answers at ``temperature`` to both prompt sets, appended to
-    ``data/<split>.jsonl``; a killed stage continues where it stopped. ``engine``: ``hf``
-    (batched transformers ``generate``) or ``megatron`` (the project's batched sampler over the
-    model imported in memory, :mod:`bebop_megatron.speculative.generate_backend`; same seeds and
-    sampler, ``cuda_graphs`` on CUDA only). Generation stops at ``deadline`` (between chunks)
-    once a split has a response. ``dtype``: ``fp32``, ``bf16`` or ``auto`` (bf16 on CUDA, fp32
-    on the CPU)."""
+    ``data/<split>.jsonl``, and its answers to the held-out prompts at each other temperature of
+    ``heldout_temperatures`` (``data/heldout_t0p7.jsonl`` at 0.7: the decode-exact forecast at T is exact
+    only on text sampled at T); a killed stage continues where it stopped, and a finished one whose
+    folder lacks a temperature's split (made before it was asked for) samples just that split.
+    ``engine``: ``hf`` (batched transformers ``generate``) or ``megatron`` (the project's batched
+    sampler over the model imported in memory, :mod:`bebop_megatron.speculative.generate_backend`;
+    same seeds and sampler, ``cuda_graphs`` on CUDA only). Generation stops at ``deadline``
+    (between chunks) once a split has a response. ``dtype``: ``fp32``, ``bf16`` or ``auto`` (bf16 on
+    CUDA, fp32 on the CPU)."""
+    import json
+
     from bebop_megatron.data.generate import ExistingOutput, load_existing, plan_jobs, run_generation
 
     if engine not in ("hf", "megatron"):
         raise StudyError(f"generation engine must be hf or megatron, got {engine!r}")
-
-    if is_done(data):
-        import json
-
-        return json.loads((data / "responses.json").read_text())
+    splits = {split: temperature if tau is None else tau
+              for split, tau in response_splits(heldout_temperatures).items()}
+    stats = json.loads((data / "responses.json").read_text()) if is_done(data) else {}
+    if is_done(data) and all(split in stats for split in splits):
+        return stats
     data.mkdir(parents=True, exist_ok=True)
-    backend = None
-    stats = {}
-    for split in SPLITS:
+    backend, backend_tau = None, None
+    for index, (split, tau) in enumerate(splits.items()):
+        if split in stats:
+            continue
         out = data / f"{split}.jsonl"
         existing = load_existing(str(out)) if out.is_file() else None
         done = existing.done if existing else set()
-        jobs = plan_jobs(sets[split], 1, seed + (split == "heldout"), done)
+        # train: seed; the held-out text at T=1: seed + 1 (as before); another temperature's: seed + 1 + its index
+        offset = 0 if split == "train" else 1 if split == "heldout" else index
+        jobs = plan_jobs(sets["heldout" if is_heldout(split) else split], 1, seed + offset, done)
         written, tokens, seconds = len(done), 0, 0.0
         chunk = batch_size * chunk_batches
         for lo in range(0, len(jobs), chunk):
             if deadline is not None and time.time() > deadline and written > 0:
                 log(f"responses ({split}): generation budget spent; {len(jobs) - lo} prompts left out")
                 break
-            if backend is None:
-                backend = _backend(engine, hf, max_new_tokens=max_new_tokens, temperature=temperature,
+            if backend is None or backend_tau != tau:
+                backend = None
+                backend = _backend(engine, hf, max_new_tokens=max_new_tokens, temperature=tau,
                                    batch_size=batch_size, device=device, dtype=dtype, cuda_graphs=cuda_graphs)
+                backend_tau = tau
             # Shortest prompts together: less left padding. Sorting within a chunk selects
             # nothing (a chunk is generated whole, the budget is checked between chunks).
             part = sorted(jobs[lo:lo + chunk], key=lambda job: _prompt_length(backend, job))
@@ -227,27 +260,38 @@ def stage_responses(hf: Path, sets: dict, data: Path, *, device: str, seed: int,
         if written == 0:
             raise StudyError(f"responses ({split}): none was written (see the lines above)")
         # the sampling temperature: the report labels a decode-exact number at another T approximate
-        stats[split] = {"responses": written, "generated_tokens": tokens, "seconds": seconds,
-                        "temperature": temperature}
+        stats[split] = {"responses": written, "generated_tokens": tokens, "seconds": seconds, "temperature": tau}
     backend = None  # frees the model before training
     if engine == "megatron":  # its in-memory import's process group and CPU mode
         from bebop_megatron.platform import end_single_process
 
         end_single_process()
     free_cuda()
-    import json
-
     (data / "responses.json").write_text(json.dumps(stats) + "\n")
     mark_done(data)
     return stats
 
 
+def heldout_files(data: Path, stats: dict, temperatures) -> dict[str, Path]:
+    """``{T: data/<split>}`` for each evaluation temperature whose own held-out text the responses
+    stage sampled besides ``heldout`` (the runs' ``data.valid_files``; its tokenized dataset's prefix);
+    a temperature without one is absent."""
+    found = {}
+    for tau in temperatures:
+        split = heldout_split(float(tau))
+        if split != "heldout" and split in stats and float(stats[split].get("temperature", 1.0)) == float(tau):
+            found[f"{float(tau):g}"] = data / split
+    return found
+
+
 def stage_tokenize(meg: Path, data: Path) -> None:
-    """Both response files as indexed datasets (``tools/preprocess_data.py``'s ``preprocess``, with
-    the import's tokenizer), once: every trainer then reads them instead of tokenizing the JSONL."""
+    """Every response file (:data:`SPLITS` and the other temperatures' held-out splits) as indexed
+    datasets (``tools/preprocess_data.py``'s ``preprocess``, with the import's tokenizer), once: every
+    trainer then reads them instead of tokenizing the JSONL."""
     from bebop_megatron.data.preprocess import preprocess
 
-    for split in SPLITS:
+    extra = sorted(p.stem for p in data.glob("heldout_t*.jsonl"))
+    for split in (*SPLITS, *extra):
         src, stamp = data / f"{split}.jsonl", data / f".{split}.tokenized"
         key = f"{src.stat().st_size}\n"
         if stamp.is_file() and stamp.read_text() == key:
