@@ -8,7 +8,8 @@
   references: the runs chosen from the tool's records (ce, and the best other objective by
   held-out E[L](3) RS at T=1), their MTP weights against the kept checkpoints read by
   ``torch.distributed.checkpoint`` (not Megatron's loader); then real speculative decoding with
-  them here (``real_model_speculative.py``);
+  them here (``benchmarks/speculative.py --heads``), and the same harness on a kept checkpoint
+  against ``tools/speculative_generate.py``;
 - ``real_model.sh``: which command each of its verbs runs.
 
 The tool itself is tested in tests/test_objective_study.py.
@@ -137,20 +138,36 @@ def test_dry_run_returns_the_heads_and_they_decode_here(tmp_path):
         for k in common:
             assert head["mtp"][k].dtype == torch.bfloat16
             assert torch.equal(head["mtp"][k], reference[k].to(torch.bfloat16)), k
-    # Real speculative decoding with them here, on the import the study made.
-    proc = forkserver.run([sys.executable, str(GPU / "real_model_speculative.py"), "--from", str(out),
-                           "--model-dir", str(work / "objective_study" / "megatron"),
-                           "--prompts", str(work / "tiny_prompts" / "heldout.jsonl"), "--num-prompts", "2",
-                           "--max-new-tokens", "6", "--temperatures", "1"],
-                          env=_env(), capture_output=True, text=True, timeout=600)
+    # Real speculative decoding with them here, on the import the study made (benchmarks/speculative.py).
+    prompts = work / "tiny_prompts" / "heldout.jsonl"
+    common = ["--prompts", str(prompts), "--num-prompts", "2", "--max-new-tokens", "6", "--temperatures", "1"]
+    proc = forkserver.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), "--heads", str(out),
+                           "--backbone", str(work / "objective_study" / "megatron"), "--out", str(out / "spec"),
+                           *common], env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for objective, record in records.items():
-        r = json.loads((out / "speculative" / f"head_existing_{objective}_seed0_T1.json").read_text())
+        r = json.loads((out / "spec" / f"existing_{objective}_seed0_g3_T1.json").read_text())
         assert r["num_prompts"] == 2 and r["gamma"] == 3 and 0 <= r["measured_accept_len"] <= 3
         # every verification emits its accepted drafts plus one token (the last may be cut at 6 tokens)
         assert r["tokens_per_target_forward"] <= 1 + r["measured_accept_len"] + 1e-9
-        assert r["study"] == record["metrics"]["1"]
-    assert "| existing_e2e_tv_seed0 | e2e_tv | 1 |" in (out / "speculative.md").read_text()
+        assert r["study"] == record["metrics"]["1"]["accept_len_rs_g3"] and r["loss"] == objective
+    assert "| existing_e2e_tv_seed0 | e2e_tv | 3 | 1 |" in (out / "spec" / "speculative.md").read_text()
+    # The same harness on a kept run checkpoint equals tools/speculative_generate.py on it.
+    ckpt = runs / "e2e_tv" / "seed0" / "ckpt"
+    proc = forkserver.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), "--checkpoint", str(ckpt),
+                           "--out", str(out / "spec_ckpt"), *common], env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = forkserver.run([sys.executable, str(REPO / "tools" / "speculative_generate.py"), "--checkpoint", str(ckpt),
+                           "--prompts", str(prompts), "--limit", "2", "--max-new-tokens", "6", "--temperature", "1",
+                           "--json", str(tmp_path / "tool.json")], env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    mine = json.loads((out / "spec_ckpt" / "existing_e2e_tv_seed0_g3_T1.json").read_text())
+    tool = json.loads((tmp_path / "tool.json").read_text())
+    for key in ("measured_accept_len", "num_verifications", "predicted_accept_len", "predicted_accept_len_decode"):
+        assert mine[key] == tool[key], key
+    assert mine["study"] == records["e2e_tv"]["metrics"]["1"]["accept_len_rs_g3"]
 
 
 def test_pick_runs_takes_ce_and_the_best_other(tmp_path):

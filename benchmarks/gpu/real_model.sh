@@ -10,7 +10,7 @@
 #   benchmarks/gpu/real_model.sh study [TOOL ARGS]    # the study alone (it resumes from .gpu_work/)
 # TOOL ARGS: tools/objective_study.py's options (docs/study.md), e.g. --seeds 0,1,2 --tokens 1000000.
 # Results land in $OUT (RESULTS.md, results.csv, curves_*.png, summary.json, study.log, head_*.pt);
-# real speculative decoding with the heads here: benchmarks/gpu/real_model_speculative.py --from DIR
+# real speculative decoding with the heads here: benchmarks/speculative.py --heads DIR
 set -uo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

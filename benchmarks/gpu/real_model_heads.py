@@ -1,7 +1,6 @@
 """The heads that come back from the GPU study for real speculative decoding here: written on
 the GPU machine from the run checkpoints that ``tools/objective_study.py --keep-checkpoints``
-keeps (:func:`export_heads`), read here by ``benchmarks/gpu/real_model_speculative.py``
-(:func:`load_head`).
+keeps (:func:`export_heads`), read here by ``benchmarks/speculative.py --heads`` (:func:`load_head`).
 
 A head file (``head_<condition>_<objective>_seed<S>.pt``, torch.save) holds the MTP block's
 weights in bfloat16 (SmolLM2: about 8 MB, under the device tool's 16 MiB per returned file; a
@@ -17,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from real_model_files import StudyError, log
+from bebop_megatron.study.log import StudyError, log
 
 
 def mtp_block(model):

@@ -17,7 +17,7 @@
 other option of the tool given after these (its stages resume from ``WORK/objective_study``;
 docs/study.md). Its report lands in ``--out``: RESULTS.md, results.csv, curves_<condition>.png,
 summary.json, study.log. Then the heads that come back for real speculative decoding here
-(``benchmarks/gpu/real_model_speculative.py``), MTP weights only, bfloat16
+(``benchmarks/speculative.py --heads``), MTP weights only, bfloat16
 (``real_model_heads.export_heads``): of the study's last condition and first seed, the ce head
 and the other objective's head of the highest held-out E[L](3) RS at T=1, as
 ``OUT/head_<condition>_<objective>_seed<S>.pt`` (``--no-heads``: none, and the tool's run
