@@ -6,7 +6,8 @@ A head file (``head_<condition>_<objective>_seed<S>.pt``, torch.save) holds the 
 weights in bfloat16 (SmolLM2: about 8 MB, under the device tool's 16 MiB per returned file; a
 run checkpoint, with its optimizer, is larger) and the run's name, loss and held-out metrics:
 ``{"run", "loss", "metrics", "mtp": {k: tensor}}``. The backbone stays out: it is the import of
-the same GGUF, rebuilt here.
+the same GGUF, rebuilt here. ``real_model.sh`` writes them after the study with
+``python3 benchmarks/gpu/real_model_heads.py WORK OUT [DEVICE]`` (WORK: the tool's ``--work``).
 """
 
 from __future__ import annotations
@@ -64,31 +65,30 @@ def score(record: dict) -> float:
     return -math.inf if value is None else value
 
 
-def pick_runs(work: Path, *, conditions: str, seeds: str, objectives: str) -> list[tuple[str, Path, dict]]:
-    """``[(run name, folder, record)]``: of the last condition and the first seed of the study in
-    ``work`` (the tool's work folder), the ce run and the other objective's run of the highest
-    :func:`score`, among the finished runs that kept their checkpoint."""
-    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
-    condition, seed = split(conditions)[-1], int(split(seeds)[0])
-    found = {}
-    for objective in split(objectives):
-        folder = work / "runs" / condition / objective / f"seed{seed}"
-        if (folder / "record.json").is_file() and (folder / "ckpt" / "latest").is_file():
-            found[objective] = (f"{condition}_{objective}_seed{seed}", folder,
-                                json.loads((folder / "record.json").read_text()))
+def pick_runs(work: Path) -> list[tuple[str, Path, dict]]:
+    """``[(run name, folder, record)]``: of the study's last condition (``existing`` when it ran, else
+    ``fresh``) and its first seed, the ce run and the other objective's run of the highest
+    :func:`score`, among the finished runs in ``work`` (the tool's work folder) that kept their checkpoint."""
+    kept = [f for f in sorted((work / "runs").glob("*/*/seed*")) if (f / "record.json").is_file()
+            and (f / "ckpt" / "latest").is_file()]
+    if not kept:
+        return []
+    condition = "existing" if any(f.parts[-3] == "existing" for f in kept) else "fresh"
+    seed = min(int(f.name[len("seed"):]) for f in kept if f.parts[-3] == condition)
+    found = {f.parts[-2]: (f"{condition}_{f.parts[-2]}_seed{seed}", f, json.loads((f / "record.json").read_text()))
+             for f in kept if f.parts[-3] == condition and f.name == f"seed{seed}"}
     others = sorted((o for o in found if o != "ce"), key=lambda o: score(found[o][2]), reverse=True)
     return [found[o] for o in (["ce"] if "ce" in found else []) + others[:1]]
 
 
-def export_heads(work: Path, out: Path, *, conditions: str, seeds: str, objectives: str,
-                 device: str = "cpu") -> list[Path]:
+def export_heads(work: Path, out: Path, device: str = "cpu") -> list[Path]:
     """``out/head_<run>.pt`` of each run :func:`pick_runs` chooses: its checkpoint loaded with
     ``tools/speculative_generate.py``'s loader (:func:`bebop_megatron.speculative.session.load`),
     its MTP block saved by :func:`save_head`; returns the files written."""
     from bebop_megatron.speculative.session import load
     from bebop_megatron.study.stages import free_cuda
 
-    runs = pick_runs(work, conditions=conditions, seeds=seeds, objectives=objectives)
+    runs = pick_runs(work)
     if not runs:
         raise StudyError(f"no finished run with a kept checkpoint in {work / 'runs'}: no heads to return")
     written = []
@@ -104,3 +104,15 @@ def export_heads(work: Path, out: Path, *, conditions: str, seeds: str, objectiv
         del model
         free_cuda()
     return written
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) not in (3, 4):
+        sys.exit("usage: real_model_heads.py WORK OUT [DEVICE]   (WORK: tools/objective_study.py's --work)")
+    try:
+        export_heads(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:])
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
