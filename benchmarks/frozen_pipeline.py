@@ -85,7 +85,6 @@ def pp_worker(args) -> None:
 
     from bebop_megatron.config import load_config
     from bebop_megatron.training import Trainer
-    from bebop_megatron.training.trainer import _forward_step
 
     p2p = [0.0]
     _time_p2p(p2p)
@@ -98,8 +97,7 @@ def pp_worker(args) -> None:
     stock = args.worker == "b"
     if stock:  # Megatron's own gradient finalisation (DP, embedding-group, per-token scaling)
         trainer.model.config.finalize_model_grads_func = finalize_model_grads
-    forward_step_func = functools.partial(
-        _forward_step, num_steps=K, device=trainer._comm_device, loss_cfg=cfg.loss, vocab_size=cfg.model.vocab_size)
+    forward_step_func = trainer.forward_step_func()
     trainable = any(p.requires_grad for p in model.parameters())
 
     def step():
