@@ -121,7 +121,7 @@ def test_bootstrap_resample_as_weights_equals_the_resampled_rows():
 
 
 def test_prepare_checks_an_import_against_transformers(tmp_path):
-    """``prepare.py``'s check (``check_import.py`` under torchrun) on a random tiny Llama: the import's
+    """``prepare.py``'s check (itself under torchrun, ``--check-worker``) on a random tiny Llama: the import's
     logits equal transformers' and its perplexity too."""
     import importlib.util
     import subprocess

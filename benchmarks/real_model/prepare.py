@@ -17,7 +17,7 @@ Steps (each skipped when its output is already complete, so a re-run continues):
 4. import: ``tools/convert_from_hf.py`` -> ``CACHE/megatron`` (Megatron distributed checkpoint,
    fp32, vocabulary padded for TP up to 8, one MTP layer for K=3 steps).
 5. check: the imported backbone's logits against transformers' on real text (a Python
-   function with its docstring) at TP=1 and TP=2: max |logit difference|, top-1 agreement,
+   function with its docstring) at TP=1 and TP=2 (this script under torchrun, ``--check-worker``): max |logit difference|, top-1 agreement,
    perplexity of both. Written to ``CACHE/check_import.json`` and printed.
 
 ``CACHE`` is ``$BEBOP_CACHE/qwen2.5-coder-1.5b`` (default ``~/.cache/bebop_megatron/...``); nothing
@@ -116,9 +116,8 @@ def check(cache: Path, hf_dir: Path, meg_dir: Path, tensor_parallel=(1, 2)) -> d
     for tp in tensor_parallel:
         out = cache / f"check_tp{tp}.json"
         if not out.is_file():
-            run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", tp,
-                 Path(__file__).with_name("check_import.py"), "--checkpoint", meg_dir,
-                 "--reference", ref, "--out", out], what=f"check at TP={tp}",
+            run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", tp, __file__, "--check-worker",
+                 meg_dir, ref, out], what=f"check at TP={tp}",
                 env={"OMP_NUM_THREADS": str(max(1, 2 // tp))})
         results[f"tp{tp}"] = json.loads(out.read_text())
     with open(cache / "check_import.json", "w") as f:
@@ -128,6 +127,58 @@ def check(cache: Path, hf_dir: Path, meg_dir: Path, tensor_parallel=(1, 2)) -> d
             f"top-1 agreement {r['top1_agreement']:.4f}, perplexity megatron {r['ppl_megatron']:.4f} "
             f"transformers {r['ppl_transformers']:.4f} over {r['num_tokens']} tokens")
     return results
+
+
+def check_worker(checkpoint: str, reference: str, out: str) -> None:
+    """One rank of the check (under torchrun, any TP): the import's logits of the reference tokens
+    against transformers' (``{"tokens": [S], "logits": [S, V]}``, float32); rank 0 writes the max
+    |logit difference|, the top-1 agreement and both perplexities as JSON."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from bebop_megatron.config import load_config
+    from bebop_megatron.model import build_model
+    from bebop_megatron.platform import init_distributed
+    from bebop_megatron.training.model_weights import load_model_weights
+    from bebop_megatron.training.parallel import setup_parallel
+
+    rank, world = init_distributed("cpu")
+    cfg = load_config(os.path.join(checkpoint, "bebop_model.yaml"),
+                      ["device=cpu", "save.dir=null", "train.resume=none", f"parallel.tensor={world}"])
+    setup_parallel(cfg, world)
+    model = build_model(cfg, "cpu")
+    model.eval()
+    load_model_weights(checkpoint, model, backbone_only=True)
+    ref = torch.load(reference)
+    tokens = ref["tokens"][None]
+    S = tokens.shape[1]
+    with torch.no_grad():
+        hidden = model(tokens, torch.arange(S)[None], None)
+        h = torch.chunk(hidden, 1 + cfg.mtp.num_steps, dim=0)[0]
+        logits, _ = model.output_layer(h, weight=model.output_weight())
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(
+            logits, group=parallel_state.get_tensor_model_parallel_group())
+    got = logits[:, 0, : cfg.model.vocab_size].float()
+    want = ref["logits"][:, : cfg.model.vocab_size].float()
+    if rank == 0:
+        targets = tokens[0, 1:]
+
+        def ppl(z):
+            return math.exp(torch.nn.functional.cross_entropy(z[:-1], targets).item())
+
+        result = {
+            "tensor_parallel": world, "num_tokens": S,
+            "max_abs_logit_diff": (got - want).abs().max().item(),
+            "max_abs_logit": want.abs().max().item(),
+            "top1_agreement": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+            "ppl_megatron": ppl(got), "ppl_transformers": ppl(want),
+        }
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
 
 
 def prepare(args) -> dict:
@@ -159,10 +210,12 @@ def parse_args(argv=None):
                    help="MTP layer of the import (the trainer's mtp.init may override it)")
     p.add_argument("--mtp-num-steps", type=int, default=3)
     p.add_argument("--skip-check", action="store_true", help="skip the TP=1/TP=2 logits check")
+    p.add_argument("--check-worker", nargs=3, metavar=("IMPORT", "REFERENCE", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
     from bebop_megatron.cli import run_cli
 
-    run_cli(lambda: prepare(parse_args()))
+    args = parse_args()
+    run_cli(lambda: check_worker(*args.check_worker) if args.check_worker else prepare(args))
