@@ -92,7 +92,7 @@ def compare_impls(args) -> None:
                     f"{name}_over_gemm": res[name]["ms"] / gemm_ms}
     for name, (per_group, ops) in profiles.items():
         metrics |= report(name, per_group, ops)
-    if K * T * weight.shape[0] <= 2**24:  # small enough for the float64 formula (the dry run's size)
+    if K * T * weight.shape[0] <= 2**24:  # small enough for the float64 reference (the dry run's size)
         from bebop_megatron.losses import reference
 
         d, z, w = (t.detach().cpu().double() for t in (draft, backbone, weight))

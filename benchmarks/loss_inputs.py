@@ -18,14 +18,6 @@ def inputs(args):
     return draft, backbone, weight, valid
 
 
-def labels_of(args):
-    """The data tokens of ``--objective ce``: ``[K, T, 1]``, uniform over the vocabulary."""
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, args.vocab, (args.steps, args.tokens, 1), generator=g)
-
-
 def megatron_ce_loss(draft, backbone, weight, valid, labels, chunk_tokens):
     """The trainer's ``ce`` before it was fused (commit 09143fa): the acceptance statistics
     from the fused kernel without gradients, then the cross-entropy of the full draft logits

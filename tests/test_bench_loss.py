@@ -31,3 +31,21 @@ def test_naive_loss_is_the_reference_e2e_tv():
     assert valid[:, :, 0].sum() < K * T  # the chain ends are in it
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, grad_ref, rtol=1e-10, atol=1e-12)
+
+
+def test_benchmark_tv_loss_runs_both_objectives(tmp_path):
+    """``benchmark_tv_loss.py`` at a tiny size, e2e TV and ce: the fused loss and its baseline (naive_loss;
+    Megatron's cross-entropy on full logits) give the same loss, and the rows are written."""
+    import csv
+    import os
+    import subprocess
+
+    env = {**os.environ, "BENCH_RESULTS_CSV": str(tmp_path / "rows.csv"), "OMP_NUM_THREADS": "1"}
+    for objective in ("e2e_tv", "ce"):
+        proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "benchmark_tv_loss.py"), "--objective", objective,
+                               "--tokens", "24", "--hidden", "16", "--vocab", "64", "--chunk-tokens", "8", "--iters", "1",
+                               "--warmup", "0"], env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(tmp_path / "rows.csv")))
+    diffs = {("objective=ce" in r["params"]): float(r["value"]) for r in rows if r["metric"] == "loss_abs_diff"}
+    assert set(diffs) == {False, True} and max(diffs.values()) < 1e-5, diffs
