@@ -8,18 +8,13 @@
     # imported here from the same GGUF (--backbone: a tools/convert_from_hf.py import)
     .venv/bin/python benchmarks/speculative.py --heads DIR --backbone IMPORT --prompts FILE --out DIR
 
-The one harness over ``tools/speculative_generate.py``'s logic (``bebop_megatron.speculative``):
-per head, gamma and temperature, rejection-sampling speculative decoding of the first
-``--num-prompts`` prompts (chat template, generation prompt, responses dropped), the accepted
-drafts per verification with a 95% interval over verifications, Eq. 12 from the teacher-forced
-acceptance on the same texts (at every position and at the verification starts), the decode-exact
-forecast from the same texts (bootstrap over prompts), the study's held-out E[L](gamma) RS of the
-same run when its ``record.json`` is there, and with ``--baseline`` the wall-time speed-up over
-plain decoding advanced in lockstep on a second cache. fp32 on the CPU.
-
-Resumable: every unit is ``OUT/<head>_g<gamma>_T<T>.json``; a rerun skips the finished ones.
-``OUT/speculative.md`` is the table; ``--publish FILE`` also puts it into FILE (a RESULTS.md,
-between this harness's markers) and appends rows to ``benchmarks/results.csv`` (``--benchmark``).
+The one harness over ``tools/speculative_generate.py``'s logic (``bebop_megatron.speculative``),
+fp32 on the CPU: per head, gamma and temperature, rejection sampling over the first
+``--num-prompts`` prompts; measured against Eq. 12 and the decode-exact forecast on the same texts,
+the run's held-out E[L](gamma) RS (its ``record.json``) and with ``--baseline`` the speed-up
+(benchmarks/README.md). Resumable: a unit is ``OUT/<head>_g<gamma>_T<T>.json``; the table is
+``OUT/speculative.md``; ``--publish FILE`` puts it into FILE between the markers and appends rows
+to ``benchmarks/results.csv`` (``--benchmark``).
 """
 
 from __future__ import annotations
@@ -35,11 +30,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE / "gpu"))
 
+from bebop_megatron.study.log import StudyError as HarnessError  # noqa: E402  (a ValueError: one error line)
+
 BEGIN, END = "<!-- speculative: begin (benchmarks/speculative.py) -->", "<!-- speculative: end -->"
-
-
-class HarnessError(ValueError):
-    """A user mistake (as the package's StudyError, a ValueError): one ``error:`` line, exit 2."""
 
 
 def parse_args(argv=None):
@@ -192,25 +185,17 @@ def publish(rows: list[dict], args, text: str) -> None:
     for r in rows:
         params = {"head": r["head"], "loss": r["loss"], "gamma": r["gamma"], "T": r["temperature"], "mode": "rs",
                   "prompts": r["num_prompts"], "max_new_tokens": r["max_new_tokens"], "precision": "fp32"}
-        metrics = {"measured_accept_len": r["measured_accept_len"], "measured_ci_lo": r["ci95"][0],
-                   "measured_ci_hi": r["ci95"][1], "predicted_accept_len": r["predicted_accept_len"],
-                   "predicted_accept_len_at_starts": r["predicted_accept_len_at_starts"],
-                   "tokens_per_target_forward": r["tokens_per_target_forward"],
-                   "verifications": r["num_verifications"]}
-        for key, value in (("predicted_accept_len_decode", r["predicted_accept_len_decode"]),
-                           ("study_accept_len_rs", r["study"]), ("speedup", r.get("speedup"))):
-            if value is not None:
-                metrics[key] = value
-        append_results(args.benchmark, "cpu", params, metrics, torch.__version__)
+        metrics = {"measured_ci_lo": r["ci95"][0], "measured_ci_hi": r["ci95"][1], "study_accept_len_rs": r["study"],
+                   "verifications": r["num_verifications"], **{k: r.get(k) for k in (
+                       "measured_accept_len", "predicted_accept_len", "predicted_accept_len_at_starts",
+                       "predicted_accept_len_decode", "tokens_per_target_forward", "speedup")}}
+        append_results(args.benchmark, "cpu", params, {k: v for k, v in metrics.items() if v is not None},
+                       torch.__version__)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    try:
-        rows = run(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    rows = run(args)
     text = table(rows, args)
     (Path(args.out) / "speculative.md").write_text(text + "\n")
     print(text)
@@ -219,4 +204,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from bebop_megatron.cli import run_cli
+
+    run_cli(main)

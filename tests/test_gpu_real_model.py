@@ -181,16 +181,17 @@ def test_smoke_returns_the_heads_and_they_decode_here(tmp_path):
         assert r["study"] == record["metrics"]["1"]["accept_len_rs_g3"] and r["loss"] == objective
     assert "| existing_e2e_tv_seed0 | e2e_tv | 3 | 1 |" in (out / "spec" / "speculative.md").read_text()
     # The same harness on a kept run checkpoint equals tools/speculative_generate.py on it.
-    ckpt = runs / "e2e_tv" / "seed0" / "ckpt"
-    proc = forkserver.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), "--checkpoint", str(ckpt),
-                           "--out", str(out / "spec_ckpt"), *common], env=_env(), capture_output=True, text=True,
-                          timeout=600)
+    ckpt = runs / "e2e_tv" / "seed0" / "ckpt"  # after another checkpoint: one process loads one after another
+    proc = forkserver.run([sys.executable, str(REPO / "benchmarks" / "speculative.py"), "--checkpoint",
+                           str(runs / "ce" / "seed0" / "ckpt"), str(ckpt), "--out", str(out / "spec_ckpt"), *common],
+                          env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     proc = forkserver.run([sys.executable, str(REPO / "tools" / "speculative_generate.py"), "--checkpoint", str(ckpt),
                            "--prompts", str(prompts), "--limit", "2", "--max-new-tokens", "6", "--temperature", "1",
                            "--json", str(tmp_path / "tool.json")], env=_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert json.loads((out / "spec_ckpt" / "existing_ce_seed0_g3_T1.json").read_text())["loss"] == "ce"
     mine = json.loads((out / "spec_ckpt" / "existing_e2e_tv_seed0_g3_T1.json").read_text())
     tool = json.loads((tmp_path / "tool.json").read_text())
     for key in ("measured_accept_len", "num_verifications", "predicted_accept_len", "predicted_accept_len_decode"):

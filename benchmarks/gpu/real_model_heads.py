@@ -93,10 +93,7 @@ def export_heads(work: Path, out: Path, device: str = "cpu") -> list[Path]:
         raise StudyError(f"no finished run with a kept checkpoint in {work / 'runs'}: no heads to return")
     written = []
     for name, folder, record in runs:
-        try:
-            model, _ = load(str(folder / "ckpt"), device)
-        except ValueError as err:
-            raise StudyError(str(err)) from None
+        model, _ = load(str(folder / "ckpt"), device)  # a ValueError: one error line
         path = out / f"head_{name}.pt"
         save_head(path, model, run=name, loss=record["loss"], metrics=record["metrics"])
         log(f"heads: {path} ({name}, held-out T=1 E[L](3) RS {score(record):.3f})")
@@ -109,10 +106,8 @@ def export_heads(work: Path, out: Path, device: str = "cpu") -> list[Path]:
 if __name__ == "__main__":
     import sys
 
+    from bebop_megatron.cli import run_cli
+
     if len(sys.argv) not in (3, 4):
         sys.exit("usage: real_model_heads.py WORK OUT [DEVICE]   (WORK: tools/objective_study.py's --work)")
-    try:
-        export_heads(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:])
-    except StudyError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(lambda: export_heads(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:]))

@@ -63,8 +63,7 @@ def make_tiny_prompts(path: Path, num_train: int = 24, num_heldout: int = 6) -> 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: tiny_model.py DIR")
-    make_tiny_model(Path(sys.argv[1]) / "hf")
-    if not (Path(sys.argv[1]) / "prompts" / "heldout.jsonl").is_file():
-        make_tiny_prompts(Path(sys.argv[1]) / "prompts")
+    root = Path(sys.argv[1])  # usage: tiny_model.py DIR
+    make_tiny_model(root / "hf")
+    if not (root / "prompts" / "heldout.jsonl").is_file():
+        make_tiny_prompts(root / "prompts")
