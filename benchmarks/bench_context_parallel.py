@@ -177,10 +177,6 @@ def table(rows: list, cp: list[int]) -> list[str]:
 OTHER_CORES_LIMIT = 0.2
 
 
-def _load() -> float:
-    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-
-
 def _busy_cpu_s() -> float:
     """CPU seconds every process of the machine has used since boot (``/proc/stat``; NaN elsewhere)."""
     try:
@@ -207,7 +203,7 @@ def run_variant(args, S: int, C: int) -> dict:
     if args.loss:
         cmd.append(f"--loss={args.loss}")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    load0, t0, busy0, own0 = _load(), time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
+    load0, t0, busy0, own0 = os.getloadavg()[0], time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         ranks = {}
@@ -225,7 +221,7 @@ def run_variant(args, S: int, C: int) -> dict:
             err.seek(0)
             sys.exit(f"S={S} C={C} failed (torchrun exit {rc}):\n{err.read()[-4000:]}")
     res = summarise([ranks[r] for r in range(C)])
-    res.update(load=(load0, _load()), wall_s=time.perf_counter() - t0)
+    res.update(load=(load0, os.getloadavg()[0]), wall_s=time.perf_counter() - t0)
     # The cores other processes used meanwhile: the machine's busy CPU time less this benchmark's
     # own (the load average lags by a minute and counts the previous variant's ranks).
     res["other_cores"] = max((_busy_cpu_s() - busy0) - (_own_cpu_s() - own0), 0.0) / res["wall_s"]

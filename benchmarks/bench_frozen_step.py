@@ -36,20 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Worker, append_results, reply, rss_mb  # noqa: E402
-
-K = 3
-
-
-def overrides(args, freeze: bool) -> list[str]:
-    ffn = -(-args.hidden * 11 // 4 // 64) * 64  # 704 for hidden 256
-    return [
-        f"device={args.device}", "save.dir=null", "train.resume=none",
-        f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={ffn}",
-        "model.num_attention_heads=8", "model.num_query_groups=4", "model.vocab_size=2048",
-        f"model.freeze_backbone={str(freeze).lower()}", "mtp.num_layers=1", f"mtp.num_steps={K}", f"loss.type={args.loss}",
-        f"train.seq_length={args.seq}", "train.micro_batch_size=4", "train.global_batch_size=4",
-        f"train.steps={args.warmup + args.iters}",
-    ]
+from frozen_pipeline import K, main_pp, overrides, worker_cmd  # noqa: E402
 
 
 # ------------------------------------------------------------------ worker (one variant)
@@ -133,15 +120,9 @@ def worker(args) -> None:
 # ------------------------------------------------------------------ driver
 
 
-def _worker_cmd(variant: str, args) -> list[str]:
-    return [sys.executable, __file__, "--worker", variant, "--warmup", str(args.warmup), "--iters", str(args.iters),
-            "--layers", str(args.layers), "--hidden", str(args.hidden), "--seq", str(args.seq), "--device", args.device,
-            "--loss", args.loss]
-
-
 def run_all(args) -> dict:
     """Interleaved: every round runs one step of each variant (rotating the order)."""
-    workers = [Worker(v, _worker_cmd(v, args)) for v in ("F", "a", "b")]
+    workers = [Worker(v, worker_cmd(args, "--worker", v)) for v in ("F", "a", "b")]
     try:
         for w in workers:
             w.read()  # "ready": Trainer built
@@ -198,8 +179,6 @@ def main() -> None:
     args.warmup = max(args.warmup, 1)
     args.script = __file__
     if args.pp == 2:
-        from frozen_pipeline import main_pp
-
         return main_pp(args)
     if args.worker:
         return worker(args)

@@ -59,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import PeakRSS, Worker, append_results, reply  # noqa: E402
-from loss_inputs import inputs, labels_of, megatron_ce_loss, naive_loss  # noqa: E402
+from loss_inputs import inputs, megatron_ce_loss, naive_loss  # noqa: E402
 
 
 def worker(args) -> None:
@@ -70,7 +70,7 @@ def worker(args) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     draft, backbone, weight, valid = inputs(args)
     if args.objective == "ce":
-        labels = labels_of(args)
+        labels = torch.randint(0, args.vocab, (args.steps, args.tokens, 1), generator=torch.Generator().manual_seed(1))
         if args.worker == "naive":  # Megatron's cross-entropy needs its (one-rank) parallel state
             import torch.distributed as dist
             from megatron.core import parallel_state

@@ -38,16 +38,21 @@ K = 3
 VARIANTS = (("F", "balanced"), ("b", "balanced"), ("F", "standalone"), ("b", "standalone"))
 
 
-def pp_overrides(args, variant: str, layout: str) -> list[str]:
-    ffn = -(-args.hidden * 11 // 4 // 64) * 64
-    out = [
-        f"device={args.device}", "save.dir=null", "train.resume=none", "parallel.pipeline=2",
+def overrides(args, freeze: bool, micro_batch: int = 4, global_batch: int = 4) -> list[str]:
+    """The benchmark's model and run (bench_frozen_step.py's PP=1 variants use it too)."""
+    ffn = -(-args.hidden * 11 // 4 // 64) * 64  # 704 for hidden 256
+    return [
+        f"device={args.device}", "save.dir=null", "train.resume=none",
         f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", f"model.ffn_hidden_size={ffn}",
         "model.num_attention_heads=8", "model.num_query_groups=4", "model.vocab_size=2048",
-        f"model.freeze_backbone={str(variant == 'F').lower()}", "mtp.num_layers=1", f"mtp.num_steps={K}",
-        f"loss.type={args.loss}", f"train.seq_length={args.seq}", f"train.micro_batch_size={args.micro_batch}",
-        f"train.global_batch_size={args.global_batch}", f"train.steps={args.warmup + args.iters}",
+        f"model.freeze_backbone={str(freeze).lower()}", "mtp.num_layers=1", f"mtp.num_steps={K}", f"loss.type={args.loss}",
+        f"train.seq_length={args.seq}", f"train.micro_batch_size={micro_batch}", f"train.global_batch_size={global_batch}",
+        f"train.steps={args.warmup + args.iters}",
     ]
+
+
+def pp_overrides(args, variant: str, layout: str) -> list[str]:
+    out = [*overrides(args, variant == "F", args.micro_batch, args.global_batch), "parallel.pipeline=2"]
     if layout == "standalone":
         out.append(f"parallel.pipeline_layout=Et*{args.layers}|m*{K}L")
     return out
@@ -85,7 +90,6 @@ def pp_worker(args) -> None:
 
     from bebop_megatron.config import load_config
     from bebop_megatron.training import Trainer
-    from bebop_megatron.training.trainer import _forward_step
 
     p2p = [0.0]
     _time_p2p(p2p)
@@ -98,8 +102,7 @@ def pp_worker(args) -> None:
     stock = args.worker == "b"
     if stock:  # Megatron's own gradient finalisation (DP, embedding-group, per-token scaling)
         trainer.model.config.finalize_model_grads_func = finalize_model_grads
-    forward_step_func = functools.partial(
-        _forward_step, num_steps=K, device=trainer._comm_device, loss_cfg=cfg.loss, vocab_size=cfg.model.vocab_size)
+    forward_step_func = trainer.forward_step_func()
     trainable = any(p.requires_grad for p in model.parameters())
 
     def step():
@@ -140,11 +143,10 @@ def pp_worker(args) -> None:
 # ------------------------------------------------------------------ driver
 
 
-def _cmd(variant: str, layout: str, args) -> list[str]:
-    return [sys.executable, args.script, "--pp", "2", "--worker", variant, "--layout", layout,
-            "--warmup", str(args.warmup), "--iters", str(args.iters), "--layers", str(args.layers),
-            "--hidden", str(args.hidden), "--seq", str(args.seq), "--device", args.device, "--loss", args.loss,
-            "--micro-batch", str(args.micro_batch), "--global-batch", str(args.global_batch)]
+def worker_cmd(args, *which: str) -> list[str]:
+    """bench_frozen_step.py's command line of one worker (PP=1: ``--worker V``; PP=2: and ``--pp 2 --layout L``)."""
+    return [sys.executable, args.script, *which, *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+        "warmup", "iters", "layers", "hidden", "seq", "device", "loss", "micro_batch", "global_batch"))]
 
 
 def run_pp(args) -> dict:
@@ -153,7 +155,7 @@ def run_pp(args) -> dict:
     for variant, layout in VARIANTS:
         port = str(free_port())
         groups[(variant, layout)] = [
-            Worker(f"{variant}/{layout} rank {r}", _cmd(variant, layout, args),
+            Worker(f"{variant}/{layout} rank {r}", worker_cmd(args, "--pp=2", f"--worker={variant}", f"--layout={layout}"),
                    env={"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
             for r in range(2)]

@@ -10,7 +10,7 @@ import statistics
 import time
 
 from common import PeakRSS, append_results, device_label
-from loss_inputs import inputs, naive_loss
+from loss_inputs import inputs
 
 
 def _inputs(args, torch, device, dtype):
@@ -92,8 +92,13 @@ def compare_impls(args) -> None:
                     f"{name}_over_gemm": res[name]["ms"] / gemm_ms}
     for name, (per_group, ops) in profiles.items():
         metrics |= report(name, per_group, ops)
-    if K * T * weight.shape[0] <= 2**24:  # small enough for the float64 formula (the dry run's size)
-        ref = float(naive_loss(*(t.detach().double() for t in (draft, backbone, weight)), valid))
+    if K * T * weight.shape[0] <= 2**24:  # small enough for the float64 reference (the dry run's size)
+        from bebop_megatron.losses import reference
+
+        d, z, w = (t.detach().cpu().double() for t in (draft, backbone, weight))
+        z_TV = torch.cat([z[:, 0] @ w.t(), z.new_zeros(K, w.shape[0])])  # step k's target: the logits at t + k
+        target = torch.stack([z_TV[k + 1:k + 1 + T] for k in range(K)])
+        ref = float(reference.objective("e2e_tv", d[:, :, 0] @ w.t(), target, valid[:, :, 0].cpu()))
         for name in impls:
             metrics[f"{name}_loss_abs_diff_float64"] = abs(res[name]["loss"] - ref)
         print(f"float64 reference loss {ref:.6f}: |diff| " + "  ".join(

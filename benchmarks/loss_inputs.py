@@ -1,4 +1,5 @@
-"""The loss benchmarks' inputs and reference formulas (``benchmark_tv_loss.py``, ``loss_impls.py``)."""
+"""The loss benchmarks' inputs and baselines (``benchmark_tv_loss.py``, ``loss_impls.py``); their
+float64 reference is ``bebop_megatron/losses/reference.py``."""
 
 from __future__ import annotations
 
@@ -15,14 +16,6 @@ def inputs(args):
     for k in range(1, K + 1):
         valid[k - 1, T - k:] = False
     return draft, backbone, weight, valid
-
-
-def labels_of(args):
-    """The data tokens of ``--objective ce``: ``[K, T, 1]``, uniform over the vocabulary."""
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    return torch.randint(0, args.vocab, (args.steps, args.tokens, 1), generator=g)
 
 
 def megatron_ce_loss(draft, backbone, weight, valid, labels, chunk_tokens):
@@ -49,7 +42,9 @@ def megatron_ce_loss(draft, backbone, weight, valid, labels, chunk_tokens):
 
 
 def naive_loss(draft, backbone, weight, valid):
-    """The e2e TV loss as a user would write it: full logits, autograd."""
+    """The timed baseline of ``benchmark_tv_loss.py``: the e2e TV loss as a user would write it, in
+    the inputs' dtype (float32), full ``[K, T, V]`` logits, autograd. Not a reference: a tiny test
+    checks it against ``losses.reference.objective`` (tests/test_bench_loss.py)."""
     import torch
 
     K, T, _, H = draft.shape

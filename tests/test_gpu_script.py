@@ -3,9 +3,9 @@
 The real run needs one NVIDIA GPU; this keeps the script from rotting where there is none:
 every part runs (the context-parallel benchmark at C=2 on two CPU ranks, the loss benchmark with
 the torch kernel, the training-step benchmark, the collection of the GPU-marked tests, the
-generation benchmark on a tiny model, the GPU study's dry run of tools/objective_study.py),
+generation benchmark on a tiny model, the GPU study's smoke run, real_model.sh smoke),
 exits 0 and writes its CSV rows. The loss benchmark's
-result is checked against the float64 formula of ``benchmarks/benchmark_tv_loss.py``.
+result is checked against the float64 reference (``bebop_megatron/losses/reference.py``).
 """
 
 from __future__ import annotations

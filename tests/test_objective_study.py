@@ -111,8 +111,7 @@ def test_response_interval_widens_with_correlation_within_responses():
 
 
 def _tiny_model(tmp_path):
-    spec = importlib.util.spec_from_file_location("real_model_files_for_study",
-                                                  REPO / "benchmarks" / "gpu" / "real_model_files.py")
+    spec = importlib.util.spec_from_file_location("tiny_model_for_study", REPO / "benchmarks" / "gpu" / "tiny_model.py")
     files = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(files)
     return files.make_tiny_model(tmp_path / "hf"), files.make_tiny_prompts(tmp_path / "prompts", 16, 5)

@@ -1,4 +1,4 @@
-"""Prompt sets of the real-model benchmark (``benchmarks/real_model/prompts.py``) on small counts.
+"""Prompt sets (``bebop_megatron/data/prompt_sets.py``, command line ``benchmarks/real_model/prompts.py``) on small counts.
 
 - the stdlib source (no package needed): every line has the fields, train and held-out share
   no id and no prompt text, no module is in both, the manifest's counts and sha256 match the
@@ -23,7 +23,10 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "real_model" / "prompts.py"
+from bebop_megatron.data import prompt_sets as prompts
+from bebop_megatron.data import prompt_sources as sources  # the sources, the split rule
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "real_model" / "prompts.py"  # the command line
 
 
 def _load(name: str, path: Path):
@@ -33,8 +36,7 @@ def _load(name: str, path: Path):
     return module
 
 
-prompts = _load("real_model_prompts", SCRIPT)
-sources = _load("real_model_prompt_sources", SCRIPT.parent / "prompt_sources.py")  # the sources, the split rule
+door = _load("real_model_prompts", SCRIPT)
 
 FILES = ("train.jsonl", "heldout.jsonl", "manifest.json")
 
@@ -127,7 +129,7 @@ def test_split_rule_is_the_documented_hash():
 def test_missing_package_is_one_error_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym -> ImportError
     with pytest.raises(SystemExit) as exc:
-        prompts.main(["--out-dir", str(tmp_path), "--sources", "reasoning_gym,stdlib"])
+        door.main(["--out-dir", str(tmp_path), "--sources", "reasoning_gym,stdlib"])
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "reasoning-gym" in err[0]
@@ -135,7 +137,7 @@ def test_missing_package_is_one_error_line(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "train.jsonl").exists()
 
     # --skip-missing: the other sources only, the missing one recorded in the manifest
-    prompts.main(["--out-dir", str(tmp_path), "--sources", "reasoning_gym,stdlib", "--skip-missing",
+    door.main(["--out-dir", str(tmp_path), "--sources", "reasoning_gym,stdlib", "--skip-missing",
                   "--num-train", "6", "--num-heldout", "3"])
     manifest = json.loads((tmp_path / "manifest.json").read_text(encoding="utf-8"))
     assert list(manifest["sources"]) == ["stdlib"] and "reasoning_gym" in manifest["missing_sources"]
@@ -146,7 +148,7 @@ def test_missing_package_is_one_error_line(tmp_path, monkeypatch, capsys):
 def test_bad_options_exit_2(tmp_path, capsys):
     for argv in (["--sources", "stdlib,nope"], ["--heldout-percent", "0"], ["--num-train", "-1"]):
         with pytest.raises(SystemExit) as exc:
-            prompts.main(["--out-dir", str(tmp_path), *argv])
+            door.main(["--out-dir", str(tmp_path), *argv])
         assert exc.value.code == 2
         assert capsys.readouterr().err.startswith("error: ")
 

@@ -106,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--ranks", type=int, default=1,
                    help="processes per run, tensor parallel (default 1: in this process); N > 1: every run is N "
                         "processes of its own under torchrun (N must divide the model's key-value heads, FFN and "
-                        "padded vocabulary), e.g. 2 on 2 CPU cores as benchmarks/real_model/run_objectives.py trains "
+                        "padded vocabulary), e.g. 2 on 2 CPU cores as benchmarks/README.md's command line trains "
                         "Qwen2.5-Coder-1.5B")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other config override")
     s.add_argument("--seed", type=int, default=1234, help="seed of response generation (default 1234)")

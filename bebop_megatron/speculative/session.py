@@ -1,6 +1,6 @@
 """Load a training checkpoint or an export directory for speculative decoding and run it
 over prompts (the logic of ``tools/speculative_generate.py`` and
-``benchmarks/real_model/speculative.py``).
+``benchmarks/speculative.py``).
 
 A training checkpoint is read as ``tools/eval_acceptance.py`` reads it: the run's config from
 the checkpoint, the backbone from its ``model.backbone_checkpoint`` / ``model.init_checkpoint``

@@ -215,6 +215,13 @@ class Trainer:
 
     # ---------------------------------------------------------------- step
 
+    def forward_step_func(self, decode_exact: bool = False):
+        """Megatron's ``forward_step_func`` of this model and loss, what a pipeline schedule calls per
+        micro-batch (``forward_backward`` runs it; so can another schedule, e.g. a benchmark's stock 1F1B)."""
+        return functools.partial(_forward_step, num_steps=self.cfg.mtp.num_steps, device=self._comm_device,
+                                 loss_cfg=self.cfg.loss, vocab_size=self.cfg.model.vocab_size,
+                                 decode_exact=decode_exact)
+
     def forward_backward(self, micro_batches, force_all_reduce: bool = False, forward_only: bool = False,
                          decode_exact: bool = False) -> list:
         """Zero grads, then forward/backward over the step's micro-batches (grads finalized).
@@ -228,10 +235,7 @@ class Trainer:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
         return run_microbatches(
-            forward_step_func=functools.partial(
-                _forward_step, num_steps=self.cfg.mtp.num_steps, device=self._comm_device,
-                loss_cfg=self.cfg.loss, vocab_size=self.cfg.model.vocab_size, decode_exact=decode_exact,
-            ),
+            forward_step_func=self.forward_step_func(decode_exact=decode_exact),
             data_iterator=iter(micro_batches),
             model=self.model,
             num_microbatches=len(micro_batches),

@@ -1,13 +1,13 @@
 """The heads that come back from the GPU study for real speculative decoding here: written on
 the GPU machine from the run checkpoints that ``tools/objective_study.py --keep-checkpoints``
-keeps (:func:`export_heads`), read here by ``benchmarks/gpu/real_model_speculative.py``
-(:func:`load_head`).
+keeps (:func:`export_heads`), read here by ``benchmarks/speculative.py --heads`` (:func:`load_head`).
 
 A head file (``head_<condition>_<objective>_seed<S>.pt``, torch.save) holds the MTP block's
 weights in bfloat16 (SmolLM2: about 8 MB, under the device tool's 16 MiB per returned file; a
 run checkpoint, with its optimizer, is larger) and the run's name, loss and held-out metrics:
 ``{"run", "loss", "metrics", "mtp": {k: tensor}}``. The backbone stays out: it is the import of
-the same GGUF, rebuilt here.
+the same GGUF, rebuilt here. ``real_model.sh`` writes them after the study with
+``python3 benchmarks/gpu/real_model_heads.py WORK OUT [DEVICE]`` (WORK: the tool's ``--work``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import math
 import os
 from pathlib import Path
 
-from real_model_files import StudyError, log
+from bebop_megatron.study.log import StudyError, log
 
 
 def mtp_block(model):
@@ -65,39 +65,35 @@ def score(record: dict) -> float:
     return -math.inf if value is None else value
 
 
-def pick_runs(work: Path, *, conditions: str, seeds: str, objectives: str) -> list[tuple[str, Path, dict]]:
-    """``[(run name, folder, record)]``: of the last condition and the first seed of the study in
-    ``work`` (the tool's work folder), the ce run and the other objective's run of the highest
-    :func:`score`, among the finished runs that kept their checkpoint."""
-    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
-    condition, seed = split(conditions)[-1], int(split(seeds)[0])
-    found = {}
-    for objective in split(objectives):
-        folder = work / "runs" / condition / objective / f"seed{seed}"
-        if (folder / "record.json").is_file() and (folder / "ckpt" / "latest").is_file():
-            found[objective] = (f"{condition}_{objective}_seed{seed}", folder,
-                                json.loads((folder / "record.json").read_text()))
+def pick_runs(work: Path) -> list[tuple[str, Path, dict]]:
+    """``[(run name, folder, record)]``: of the study's last condition (``existing`` when it ran, else
+    ``fresh``) and its first seed, the ce run and the other objective's run of the highest
+    :func:`score`, among the finished runs in ``work`` (the tool's work folder) that kept their checkpoint."""
+    kept = [f for f in sorted((work / "runs").glob("*/*/seed*")) if (f / "record.json").is_file()
+            and (f / "ckpt" / "latest").is_file()]
+    if not kept:
+        return []
+    condition = "existing" if any(f.parts[-3] == "existing" for f in kept) else "fresh"
+    seed = min(int(f.name[len("seed"):]) for f in kept if f.parts[-3] == condition)
+    found = {f.parts[-2]: (f"{condition}_{f.parts[-2]}_seed{seed}", f, json.loads((f / "record.json").read_text()))
+             for f in kept if f.parts[-3] == condition and f.name == f"seed{seed}"}
     others = sorted((o for o in found if o != "ce"), key=lambda o: score(found[o][2]), reverse=True)
     return [found[o] for o in (["ce"] if "ce" in found else []) + others[:1]]
 
 
-def export_heads(work: Path, out: Path, *, conditions: str, seeds: str, objectives: str,
-                 device: str = "cpu") -> list[Path]:
+def export_heads(work: Path, out: Path, device: str = "cpu") -> list[Path]:
     """``out/head_<run>.pt`` of each run :func:`pick_runs` chooses: its checkpoint loaded with
     ``tools/speculative_generate.py``'s loader (:func:`bebop_megatron.speculative.session.load`),
     its MTP block saved by :func:`save_head`; returns the files written."""
     from bebop_megatron.speculative.session import load
     from bebop_megatron.study.stages import free_cuda
 
-    runs = pick_runs(work, conditions=conditions, seeds=seeds, objectives=objectives)
+    runs = pick_runs(work)
     if not runs:
         raise StudyError(f"no finished run with a kept checkpoint in {work / 'runs'}: no heads to return")
     written = []
     for name, folder, record in runs:
-        try:
-            model, _ = load(str(folder / "ckpt"), device)
-        except ValueError as err:
-            raise StudyError(str(err)) from None
+        model, _ = load(str(folder / "ckpt"), device)  # a ValueError: one error line
         path = out / f"head_{name}.pt"
         save_head(path, model, run=name, loss=record["loss"], metrics=record["metrics"])
         log(f"heads: {path} ({name}, held-out T=1 E[L](3) RS {score(record):.3f})")
@@ -105,3 +101,13 @@ def export_heads(work: Path, out: Path, *, conditions: str, seeds: str, objectiv
         del model
         free_cuda()
     return written
+
+
+if __name__ == "__main__":
+    import sys
+
+    from bebop_megatron.cli import run_cli
+
+    if len(sys.argv) not in (3, 4):
+        sys.exit("usage: real_model_heads.py WORK OUT [DEVICE]   (WORK: tools/objective_study.py's --work)")
+    run_cli(lambda: export_heads(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:]))

@@ -24,9 +24,9 @@
 #   4. generate  benchmarks/bench_generate.py: tokens/s of the batched Megatron sampler (CUDA graphs off and
 #             on) against transformers' generate, SmolLM2-135M (the carried .gpu_work/hf or $GENERATE_HF_DIR
 #             when present, else its shape with random weights), bf16, batch 256
-#   5. study  benchmarks/gpu/real_model_study.py objective-study --dry-run: tools/objective_study.py on a
-#             random tiny Llama (import, responses, both conditions, report) and the returned heads, bf16 on
-#             CUDA; its files in a fresh temporary folder (its log in DIR/study.log)
+#   5. study  benchmarks/gpu/real_model.sh smoke: tools/objective_study.py on a random tiny Llama
+#             (import, responses, both conditions, report) and the returned heads, bf16 on CUDA; its
+#             files in a fresh temporary folder (its log in DIR/study.log)
 # Rows go to DIR/results_gpu.csv (the GPU's name in the machine column); append them to
 # benchmarks/results.csv with: tail -n +2 DIR/results_gpu.csv >> benchmarks/results.csv
 #
@@ -124,8 +124,8 @@ part tests "${limits[2]}" "$py" -m pytest -q -p no:cacheprovider "${tests[@]}"
 part generate "${limits[3]}" "$py" benchmarks/bench_generate.py "${generate[@]}"
 if [[ ",$parts," == *",study,"* ]]; then
   study_work=$(mktemp -d "${TMPDIR:-/tmp}/bebop_study.XXXXXX") || exit 2
-  part study "${limits[4]}" "$py" benchmarks/gpu/real_model_study.py objective-study --dry-run \
-    --device "$([ $dry = 0 ] && echo cuda || echo cpu)" --work "$study_work" --out "$study_work/out"
+  part study "${limits[4]}" env WORK="$study_work" OUT="$study_work/out" PYTHON="$py" bash benchmarks/gpu/real_model.sh \
+    smoke --device "$([ $dry = 0 ] && echo cuda || echo cpu)"
   rm -rf "$study_work"
 fi
 echo "=== $failed part(s) failed; results: $outdir/results_gpu.csv" | tee -a "$outdir/summary.txt"

