@@ -1,4 +1,4 @@
-"""The decode-exact forecast (bebop_megatron/losses/decode_exact.py) against a brute-force
+"""The decode-exact forecast (bebop_megatron/chain/decode_exact.py) against a brute-force
 simulation of speculative decoding, in float64.
 
 The simulation decodes packed rows of documents (a masked prompt, then a response of fixed
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bebop_megatron.losses import chain_mask
-from bebop_megatron.losses.decode_exact import decode_exact_rows, per_text_sums, ratio_interval, run_starts
+from bebop_megatron.chain.decode_exact import decode_exact_rows, per_text_sums, ratio_interval, run_starts
 
 V, K = 5, 4
 
@@ -109,7 +109,7 @@ def _plain_row(P, docs, rng):
 def _recursion(P, Q, gamma, mode, rows):
     """Expected (accepted, verifications) per row by the recursion, all rows in one call
     (padded with untrained positions of document -1)."""
-    from bebop_megatron.training.loss import chain_valid
+    from bebop_megatron.chain.masks import chain_valid
 
     S = max(len(r[0]) for r in rows) + K + 1
     x = np.zeros((len(rows), S), dtype=np.int64)
@@ -161,7 +161,7 @@ def test_recursion_by_hand():
     """One response of 4 labels (t = 0..3), gamma 2, per-step acceptances written out."""
     a = np.array([[0.5, 0.2, 0.9, 0.7], [0.4, 0.3, 0.6, 0.8]])[:, None]  # [G, 1, S]
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
-    from bebop_megatron.training.loss import chain_valid
+    from bebop_megatron.chain.masks import chain_valid
 
     chain = chain_valid(mask, 2)[:, 0]  # [2, 5]
     full = np.zeros((2, 1, 5))

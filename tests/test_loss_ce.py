@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from bebop_megatron.chain.masks import chain_valid
 from bebop_megatron.data import Batch
 from bebop_megatron.losses.objectives import DISTRIBUTION_NAMES
-from bebop_megatron.training.loss import DECODE_ROWS, STAT_ROWS, chain_valid, mtp_ce_loss
+from bebop_megatron.training.loss import DECODE_ROWS, STAT_ROWS, mtp_ce_loss
 from tests.helpers.single_process import single_process
 
 
@@ -335,7 +336,7 @@ def test_mtp_loss_decode_exact_rows(megatron_single_process, loss_type):
     reference of min(1, q(x)/p(x)) and 1[x = argmax q] at the data tokens (temperatures
     0.8 / 1.2, chunks of 5 rows)."""
     from bebop_megatron.config import LossConfig
-    from bebop_megatron.losses.decode_exact import decode_exact_rows, run_starts
+    from bebop_megatron.chain.decode_exact import decode_exact_rows, run_starts
     from bebop_megatron.training.loss import mtp_loss
 
     B, S, H, V, K = 2, 13, 8, 23, 3

@@ -3,7 +3,7 @@
 - the response bootstrap (:mod:`bebop_megatron.study.intervals`) against a float64 reference that
   resamples responses explicitly (positions concatenated, statistics recomputed), on synthetic
   clustered data: one seed, several seeds, paired differences; the decode-exact column's interval
-  equals :func:`bebop_megatron.losses.decode_exact.ratio_interval`'s; and the interval widens as the
+  equals :func:`bebop_megatron.chain.decode_exact.ratio_interval`'s; and the interval widens as the
   positions of one response become correlated, while the interval over positions does not;
 - a dry run of the tool on a tiny random Llama (convert_from_hf of a transformers model saved
   in a temporary folder; its own answers to random prompts): every stage, two seeds, the fresh
@@ -83,7 +83,7 @@ def test_response_bootstrap_against_float64_reference():
     assert got["accept_len_rs_g3"] == pytest.approx(
         reference([rows], text, G, 200, 5, rows_b=[rows2], name="accept_len_rs_g3"), rel=1e-9, abs=1e-12)
     # the decode-exact column: a pooled ratio over responses, as decode_exact.ratio_interval's
-    from bebop_megatron.losses.decode_exact import ratio_interval
+    from bebop_megatron.chain.decode_exact import ratio_interval
 
     acc, ver = rng.uniform(0, 3, n), rng.uniform(0.5, 2, n)
     c = intervals.text_columns(rows, text, n, G, {"rs": (acc, ver)})

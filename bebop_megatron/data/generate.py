@@ -395,7 +395,7 @@ def run_generation(backend: Backend, jobs: list[Job], out_path: str, existing: E
                     raise _OutputError(err) from None
                 summary.num_written += 1
     except _OutputError as failed:
-        from bebop_megatron.cli import output_write_error
+        from bebop_megatron.platform.outputs import output_write_error
 
         raise output_write_error(failed.args[0], "--out", out_path, f"{summary.num_written} samples written in "
                                  "this run (run the same command again to resume)") from None

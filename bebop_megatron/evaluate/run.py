@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from bebop_megatron.cli import write_json
+from bebop_megatron.platform.outputs import write_json
 from bebop_megatron.config import load_config
 from bebop_megatron.data import DataError, check_trainable, eval_batches
 from bebop_megatron.data.builder import build_synthetic_held_out, build_valid_dataset

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from bebop_megatron.chain.masks import chain_valid
 from bebop_megatron.data import attention_mask
 from bebop_megatron.metrics import acceptance_rows
+from bebop_megatron.model.builder import output_weight_of
 from bebop_megatron.model.cp_attention import shard_sequence, unshard_sequence
-from bebop_megatron.training.loss import chain_valid, output_weight_of
 
 
 def micro_batch_statistics(model, batch, report, args, *, K, tp_group, sim_budget, generator, device, vocab_size,

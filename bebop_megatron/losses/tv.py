@@ -194,7 +194,7 @@ def fused_linear_objective(kind, draft_hidden, backbone_hidden, weight, valid, *
     ``label_rows`` (with ``labels`` and ``return_stats``): the stats also hold ``label_rows``,
     ``[2, K, S * B]`` per row: min(1, q(x) / p(x)) and 1[x = argmax q] at the data token x
     (the acceptance of an RS / greedy draft given the realized token, for the decode-exact
-    forecast of :mod:`bebop_megatron.losses.decode_exact`; one more all-reduce per chunk).
+    forecast of :mod:`bebop_megatron.chain.decode_exact`; one more all-reduce per chunk).
 
     Differentiable w.r.t. ``draft_hidden`` only; under TP the returned gradient is this
     rank's partial sum. The gradient is computed during the forward (see

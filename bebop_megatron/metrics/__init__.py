@@ -5,7 +5,7 @@
   data-parallel ranks.
 - :func:`accept_length_sums`: E[L](g) summed per position from per-step alphas and a chain
   mask (for the training loss's logging).
-- :mod:`bebop_megatron.losses.decode_exact`: what speculative decoding will measure, from
+- :mod:`bebop_megatron.chain.decode_exact`: what speculative decoding will measure, from
   text sampled from the target (the decode-exact E[L], a recursion over positions).
 - :mod:`bebop_megatron.metrics.entropy`: line fits against entropy and the RL drift split (Eq. 16).
 """
@@ -21,7 +21,7 @@ from bebop_megatron.metrics.acceptance import (
     means_of,
     reduce_sums,
 )
-from bebop_megatron.losses.decode_exact import decode_exact_rows, per_text_sums, ratio_interval, run_starts
+from bebop_megatron.chain.decode_exact import decode_exact_rows, per_text_sums, ratio_interval, run_starts
 from bebop_megatron.metrics.entropy import (
     DriftSplit,
     binned_means,

@@ -38,7 +38,7 @@ def acceptance_rows(draft_logits, target_logits, *, tp_group=None, target_temper
     ``labels`` (global token ids, the logits' leading shape): also ``accept_rs_label``,
     min(1, q(x) / p(x)) at the realized token x, and ``accept_to_label``, 1[x = argmax q]: the
     probability that the draft there was accepted given x (the decode-exact forecast,
-    :mod:`bebop_megatron.losses.decode_exact`).
+    :mod:`bebop_megatron.chain.decode_exact`).
 
     ``draft_logits``, ``target_logits``: ``[K, N, V_local]`` (any leading shape works), the
     vocabulary sharded over ``tp_group``; every rank returns the same values. ``vocab_size``:

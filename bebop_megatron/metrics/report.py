@@ -15,7 +15,7 @@ Everything is a float64 sum, so chunks, micro-batches and data-parallel ranks ad
   gamma = 1..G: one simulation of G drafts gives every shorter chain too, since a chain of
   g drafts accepts min(accepted of G, g) under the same random numbers;
 - a few (step, H(p), d_TV, 1 - p(argmax q)) points of this rank for the scatter plot;
-- the decode-exact forecast (:mod:`bebop_megatron.losses.decode_exact`) per temperature,
+- the decode-exact forecast (:mod:`bebop_megatron.chain.decode_exact`) per temperature,
   gamma = 1..G and verification method: the expected accepted drafts and verifications of each
   text (document), kept per text for the bootstrap over texts;
 - by context position bucket (the chain's position in its document): alpha_RS per step and
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from bebop_megatron.metrics.acceptance import acceptance_sums
-from bebop_megatron.losses.decode_exact import decode_exact_rows, per_text_sums, ratio_interval, run_starts
+from bebop_megatron.chain.decode_exact import decode_exact_rows, per_text_sums, ratio_interval, run_starts
 from bebop_megatron.metrics.entropy import line_from_moments
-from bebop_megatron.speculative import batched_rejection_sample, batched_target_only, sample_drafts
+from bebop_megatron.chain.sampling import batched_rejection_sample, batched_target_only, sample_drafts
 
 SUM_KEYS = ("alpha_rs", "alpha_to", "entropy_target", "entropy_draft", "kl", "top1", "accept_len_rs",
             "accept_len_to", "count")

@@ -83,6 +83,13 @@ class MTPGPTModel(GPTModel):
         return None
 
 
+def output_weight_of(model) -> torch.Tensor:
+    """The (frozen) output projection ``[V_local, H]`` every MTP step's draft logits share: the
+    embedding when tied."""
+    weight = model.output_weight()
+    return weight if weight is not None else model.output_layer.weight
+
+
 def use_transformer_engine(cfg: Config, device: str) -> bool:
     from bebop_megatron.platform import have_transformer_engine
 

@@ -15,7 +15,7 @@ Whole-sequence speculative decoding with the trained heads (``tools/speculative_
 acceptance against the teacher-forced Eq. 12 prediction), :mod:`.session` (loading, runs).
 """
 
-from bebop_megatron.speculative.chain import (
+from bebop_megatron.chain.sampling import (
     batched_rejection_sample,
     batched_target_only,
     chain_rejection_sample,

@@ -101,7 +101,7 @@ class BatchedGenerator:
         self.ng = attn.num_query_groups_per_partition
         self.d = attn.hidden_size_per_attention_head
         self.scale = self.cfg.softmax_scale or 1.0 / math.sqrt(self.cfg.kv_channels)
-        from bebop_megatron.training.loss import output_weight_of
+        from bebop_megatron.model.builder import output_weight_of
 
         self.weight_VH = output_weight_of(model)[:vocab_size].detach()
         self.use_rope = getattr(model, "position_embedding_type", "rope") == "rope"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bebop_megatron.speculative.chain import inverse_cdf, chain_rejection_sample, chain_target_only
+from bebop_megatron.chain.sampling import inverse_cdf, chain_rejection_sample, chain_target_only
 
 MODES = ("rs", "to")
 

@@ -13,7 +13,7 @@
   reports on held-out text); ``predicted_accept_len_at_starts`` averages it over the
   positions where verifications actually started.
 - ``predicted_accept_len_decode``: the decode-exact forecast
-  (:mod:`bebop_megatron.losses.decode_exact`): expected accepted drafts over expected
+  (:mod:`bebop_megatron.chain.decode_exact`): expected accepted drafts over expected
   verifications, from the teacher-forced acceptance given each realized token of the whole
   emitted text, with decoding's own stopping rule (``--max-new-tokens``, the stop tokens).
   It needs no knowledge of where the verifications started and is exact in expectation;
@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from bebop_megatron.losses import accept_length_rows
-from bebop_megatron.losses.decode_exact import decode_exact_rows, ratio_interval
+from bebop_megatron.chain.decode_exact import decode_exact_rows, ratio_interval
 from bebop_megatron.speculative.decoding import probs_of
 
 

@@ -94,7 +94,7 @@ class MegatronSpecModel:
 
     def __init__(self, model, vocab_size: int, weight_VH: torch.Tensor | None = None):
         from bebop_megatron.model.builder import PreNormChainMTPLayer
-        from bebop_megatron.training.loss import output_weight_of
+        from bebop_megatron.model.builder import output_weight_of
 
         cfg = model.config
         if getattr(cfg, "multi_latent_attention", False) or getattr(cfg, "attention_output_gate", False):

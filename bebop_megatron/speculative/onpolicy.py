@@ -1,6 +1,6 @@
 """On-policy held-out text for the decode-exact forecast (``tools/eval_acceptance.py --sample``).
 
-The decode-exact E[L] (:mod:`bebop_megatron.losses.decode_exact`) is exact on text sampled
+The decode-exact E[L] (:mod:`bebop_megatron.chain.decode_exact`) is exact on text sampled
 from the target at the temperature of interest. Held-out data rarely is (other models' answers,
 another temperature), so ``--sample`` first samples, at each temperature, a continuation of
 every held-out prompt from the checkpoint's own backbone (plain decoding, one token per

@@ -5,7 +5,7 @@ Legend: K MTP steps, G gamma, N positions, n texts (held-out responses), S seeds
 Input: per-position rows (``{"chain", "alpha_rs", "alpha_to", "entropy_target": [K, N]}``,
 what ``tools/eval_acceptance.py --positions-out`` and :func:`bebop_megatron.study.runs.held_out_rows`
 keep) with the text (response) of every position, and optionally the decode-exact sums per text
-(:mod:`bebop_megatron.losses.decode_exact`: expected accepted drafts and verifications).
+(:mod:`bebop_megatron.chain.decode_exact`: expected accepted drafts and verifications).
 
 Every statistic is a ratio of sums over positions, or (the entropy slope) a function of five
 sums, so it is a function of per-text sums: :func:`text_columns`. A bootstrap resample is then

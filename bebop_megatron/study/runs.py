@@ -97,7 +97,7 @@ def held_out_rows(trainer, *, temperatures, gamma: int, chunk_positions: int,
     set (``data.valid_files``).
 
     ``text`` names the held-out text (a document of a packed row) of every position, numbered
-    in the order of :func:`bebop_megatron.losses.decode_exact.per_text_sums` (row by row,
+    in the order of :func:`bebop_megatron.chain.decode_exact.per_text_sums` (row by row,
     documents in order), so that ``decode_*`` (accepted drafts and verifications at ``gamma``
     per text) and the positions' texts agree."""
     from bebop_megatron.data.builder import build_valid_dataset, load_tokenizer
@@ -127,7 +127,7 @@ def _rows_of(trainer, dataset, *, temperatures, gamma: int, chunk_positions: int
     from bebop_megatron.data import eval_batches
     from bebop_megatron.evaluate.statistics import micro_batch_statistics
     from bebop_megatron.metrics.report import DECODE_MODES, AcceptanceReport
-    from bebop_megatron.training.loss import chain_valid
+    from bebop_megatron.chain.masks import chain_valid
 
     cfg = trainer.cfg
     model = trainer.model.module
@@ -196,7 +196,7 @@ def load_rows(path: Path) -> dict:
 
 def write_json(path: Path, value) -> None:
     """``value`` as JSON, atomically; a non-finite number (a statistic with nothing to measure) is null."""
-    from bebop_megatron.cli import finite
+    from bebop_megatron.platform.outputs import finite
 
     write_atomic(path, json.dumps(finite(value), indent=1) + "\n")
 

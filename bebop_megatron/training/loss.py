@@ -20,46 +20,18 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from bebop_megatron.chain.decode_exact import decode_exact_rows, run_starts
+from bebop_megatron.chain.masks import chain_valid, shift_targets
 from bebop_megatron.config import LossConfig
 from bebop_megatron.data import Batch
 from bebop_megatron.losses import ACCEPT_LEN_KEYS, STAT_KEYS, chain_mask, fused_linear_objective
-from bebop_megatron.losses.decode_exact import decode_exact_rows, run_starts
+from bebop_megatron.model.builder import output_weight_of
 from bebop_megatron.model.cp_attention import cp_chunk_ids, shard_sequence, unshard_sequence
 
 # Decode-exact sums (held-out pass only; zeros otherwise): entry g-1 is gamma g's expected
-# accepted drafts / verifications over the batch's texts (bebop_megatron.losses.decode_exact).
+# accepted drafts / verifications over the batch's texts (bebop_megatron.chain.decode_exact).
 DECODE_ROWS = ("decode_accepted_rs", "decode_verifications_rs", "decode_accepted_to", "decode_verifications_to")
 STAT_ROWS = ("ce_sum", "top1_correct", "count", *STAT_KEYS, *ACCEPT_LEN_KEYS, *DECODE_ROWS)
-
-
-def chain_valid(loss_mask_BS: torch.Tensor, num_steps: int, segment_ids_BS: torch.Tensor | None = None) -> torch.Tensor:
-    """Bool ``[K, B, S]``: step k valid at t and every earlier step of the chain valid too.
-
-    Step k is valid at t when t+k < S, ``loss_mask[t+k]`` is set and (with ``segment_ids``)
-    t+k lies in t's document."""
-    B, S = loss_mask_BS.shape
-    ok_BS = loss_mask_BS > 0
-    steps = []
-    for k in range(1, num_steps + 1):
-        shifted = torch.zeros_like(ok_BS)
-        if k < S:
-            shifted[:, : S - k] = ok_BS[:, k:]
-            if segment_ids_BS is not None:
-                shifted[:, : S - k] &= segment_ids_BS[:, k:] == segment_ids_BS[:, : S - k]
-        steps.append(shifted)
-    return chain_mask(torch.stack(steps))
-
-
-def _shift_targets(x_SB: torch.Tensor, num_steps: int) -> torch.Tensor:
-    """``[K, S, B, ...]``: row k at t holds ``x[t+k]`` (zeros past the end, where steps are invalid).
-
-    Used for both targets of step k: the backbone hidden state and the data label at t+k."""
-    S = x_SB.shape[0]
-    shifted_KSB = x_SB.new_zeros((num_steps, *x_SB.shape))
-    for k in range(1, num_steps + 1):
-        if k < S:
-            shifted_KSB[k - 1, : S - k] = x_SB[k:]
-    return shifted_KSB
 
 
 def _full_sequence(hidden_SBH: torch.Tensor, model, tp_group) -> torch.Tensor:
@@ -73,12 +45,6 @@ def _full_sequence(hidden_SBH: torch.Tensor, model, tp_group) -> torch.Tensor:
             hidden_SBH, tensor_parallel_output_grad=True, group=tp_group
         )
     return tensor_parallel.copy_to_tensor_model_parallel_region(hidden_SBH, group=tp_group)
-
-
-def output_weight_of(model) -> torch.Tensor:
-    """The (frozen) output projection ``[V_local, H]``: the embedding when tied."""
-    weight = model.output_weight()
-    return weight if weight is not None else model.output_layer.weight
 
 
 class _ContextParallelLayout:
@@ -161,7 +127,7 @@ def mtp_loss(model, hidden, batch: Batch, num_steps: int, tp_group, loss_cfg: Lo
     weight_VH = output_weight_of(model)
     labels_SB = batch.labels.t().contiguous()
     valid_KSB = chain_valid(batch.loss_mask, K, batch.segment_ids).transpose(1, 2)
-    data_targets_KSB = _shift_targets(labels_SB, K)  # step k at t predicts labels[t+k]
+    data_targets_KSB = shift_targets(labels_SB, K)  # step k at t predicts labels[t+k]
     cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
     cp = _ContextParallelLayout(K, cp_group) if cp_group is not None and cp_group.size() > 1 else None
     whole_valid_KSB = valid_KSB

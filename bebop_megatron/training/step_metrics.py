@@ -30,7 +30,7 @@ class StepMetrics:
     accept_len_rs: list[float] = field(default_factory=list)
     accept_len_to: list[float] = field(default_factory=list)
     # The decode-exact forecast E[L](g) (held-out pass only; empty otherwise): expected accepted
-    # drafts over expected verifications on the held-out text (bebop_megatron.losses.decode_exact).
+    # drafts over expected verifications on the held-out text (bebop_megatron.chain.decode_exact).
     accept_len_decode_rs: list[float] = field(default_factory=list)
     accept_len_decode_to: list[float] = field(default_factory=list)
     tokens_per_s: float = 0.0

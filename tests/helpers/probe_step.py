@@ -26,7 +26,7 @@ import torch
 
 from bebop_megatron.config import load_config
 from bebop_megatron.training import Trainer
-from bebop_megatron.training.loss import chain_valid
+from bebop_megatron.chain.masks import chain_valid
 from megatron.core import parallel_state
 
 

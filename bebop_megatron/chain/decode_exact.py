@@ -16,7 +16,7 @@ and, given the text, which step proposes each position is a Markov chain: so a f
 recursion over the positions gives the expected accepted drafts and verifications of the
 text exactly, with no draft in the loop. Their pooled ratio is what decoding measures.
 
-Positions are those of the training loss (:func:`bebop_megatron.training.loss.chain_valid`):
+Positions are those of the training loss (:func:`bebop_megatron.chain.masks.chain_valid`):
 the chain at t (the verification whose newest token is t+1, drafting from the hidden state
 at t) has step k propose token t+k+1, valid while t+k is a trained token of t's document.
 From the chain at t with mass m at step k:
