@@ -95,3 +95,24 @@ def test_missing_export_is_one_error_line(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "config.json" in lines[0], \
         proc.stderr
+
+
+def test_replay_with_the_trained_hidden_state_differs(served):
+    """vLLM's MiMo target hands its draft the hidden state before the final norm (MiMoModel.forward
+    leaves the norm to compute_logits): the replay with the post-norm state, as the heads were
+    trained, does not reproduce vLLM's counts; the pre-norm one does (above)."""
+    from bebop_megatron.engines.serve_check import Reference, random_prompts, replay_greedy
+
+    _, report = served
+    row = next(r for r in report["runs"] if r["K"] == 1 and r["temperature"] == 0.0)
+    ref = Reference.load(report["export"])
+    prompts = random_prompts(96, 6, 8)
+    counts = {}
+    for hidden in ("pre_norm", "post_norm"):
+        total = [0, 0]
+        for prompt, out in zip(prompts, row["plain_outputs"]):
+            r = replay_greedy(ref, prompt, prompt + out, 24, 1, target_hidden=hidden)
+            total = [total[0] + r["drafts"], total[1] + r["accepted_per_pos"][0]]
+        counts[hidden] = total
+    assert counts["pre_norm"] == [row["drafts"], row["accepted_per_pos"][0]]
+    assert counts["post_norm"] != counts["pre_norm"], counts

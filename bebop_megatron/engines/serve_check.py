@@ -23,6 +23,13 @@ one process, and generates every prompt at every temperature with each. Checked 
   interval over the prompts (RS with ``draft_sample_method=probabilistic``, TO with greedy
   drafts, vLLM's default).
 
+vLLM 0.32's CPU fallback of the rejection sampler's ``expand_kernel`` writes its result into int64
+copies of the output (``vllm/utils/cpu_triton_utils.py``, ``_expand_kernel_impl``), so at T > 0
+the per-token temperatures are uninitialized memory and speculative verification produces NaN
+or wrong target probabilities (outputs that copy the drafts, acceptance near zero). The driver
+replaces it with the same expansion in torch and reports whether vLLM's result differed
+(``cpu_expand_was_wrong``); greedy decoding does not use it.
+
 vLLM's MTP proposer (``v1/spec_decode/eagle.py`` with the format's ``*_mtp.py``), as the replay
 runs it: the draft layer keeps its own KV cache; after each verification its first pass runs
 at every position whose token is final, with the target's hidden state at that position and
@@ -296,7 +303,11 @@ def serve_check(export: str, *, prompts: list[list[int]], max_tokens: int, num_s
                "max_model_len": max(longest, 64), "seed": 0, "draft_sample_method": draft_sample}
     engine = run_vllm(request, venv, log=log)
     report = {"export": export, "format": fmt, "vllm": engine["vllm_version"], "max_tokens": max_tokens,
-              "prompts": len(prompts), "checks": [], "loads": [], "runs": []}
+              "prompts": len(prompts), "checks": [], "loads": [], "runs": [],
+              "cpu_expand_was_wrong": engine.get("cpu_expand_was_wrong")}
+    if engine.get("cpu_expand_was_wrong"):
+        log("note: vLLM's CPU expand_kernel fallback (vllm/utils/cpu_triton_utils.py) left the per-token "
+            "temperatures uninitialized; the driver replaced it with the same expansion in torch (T > 0 only)")
 
     def check(name, ok, detail):
         report["checks"].append({"check": name, "ok": bool(ok), "detail": detail})
@@ -340,6 +351,7 @@ def serve_check(export: str, *, prompts: list[list[int]], max_tokens: int, num_s
                 tot["near_ties"] += r["near_ties"]
                 tot["accepted_per_pos"] = [a + b for a, b in zip(tot["accepted_per_pos"], r["accepted_per_pos"])]
             row["replay"] = tot
+            row["plain_outputs"] = plain["outputs"]
             got = [s["num_drafts"], *s["accepted_per_pos"]]
             exp = [tot["drafts"], *tot["accepted_per_pos"]]
             diff = sum(abs(a - b) for a, b in zip(got, exp))

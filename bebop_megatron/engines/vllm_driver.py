@@ -68,6 +68,31 @@ def _install_hooks(state):
     torch.Tensor.copy_ = copy_
 
 
+def _fix_cpu_expand(state):
+    """vLLM 0.32's CPU fallback for the rejection sampler's ``expand_kernel``
+    (``vllm/utils/cpu_triton_utils.py``, ``_expand_kernel_impl``) passes int64 copies of its
+    tensors to the C++ op, so the float32 per-token temperatures (and top-p) it should write stay
+    uninitialized memory: at T > 0 speculative verification divides the target logits by garbage
+    (NaN or nonsense probabilities). Replaced by the same expansion in torch; ``state`` records
+    whether vLLM's own result differed on the first real call."""
+    import torch
+    from vllm.v1.sample import rejection_sampler as rs
+
+    orig = rs.expand_batch_to_tokens
+
+    def expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+        src = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        out = x.new_zeros(num_tokens)
+        flat = torch.repeat_interleave(src, counts)
+        out[:flat.numel()] = flat[:num_tokens]
+        if state["expand_differs"] is None:
+            state["expand_differs"] = not torch.equal(orig(x, cu_num_tokens, num_tokens, replace_from, replace_to), out)
+        return out
+
+    rs.expand_batch_to_tokens = expand
+
+
 def _files(model_dir):
     """Tensor names in the export's safetensors files (header only)."""
     names = []
@@ -119,8 +144,10 @@ def main(argv):
         req = json.load(f)
     import vllm
 
-    state = {"counters": None, "read": {}, "by_storage": {}, "consumed": set()}
+    state = {"counters": None, "read": {}, "by_storage": {}, "consumed": set(), "expand_differs": None}
     _install_hooks(state)
+    if req.get("fix_cpu_expand", True):
+        _fix_cpu_expand(state)
     result = {"vllm_version": vllm.__version__, "runs": [], "loads": []}
     files = _files(req["model"]) + (_files(req["draft_model"]) if req.get("draft_model") else [])
     try:
@@ -155,6 +182,8 @@ def main(argv):
             gc.collect()
     finally:
         result["files"] = files
+        result["cpu_expand_fixed"] = req.get("fix_cpu_expand", True)
+        result["cpu_expand_was_wrong"] = state["expand_differs"]
         with open(out_path, "w") as f:
             json.dump(result, f)
     return 0
