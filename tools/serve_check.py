@@ -32,8 +32,9 @@ def parse(argv):
     ap.add_argument("--draft-sample", choices=("greedy", "probabilistic"), default="greedy",
                     help="vLLM's draft_sample_method: greedy (its default; target-only acceptance at T>0) or "
                          "probabilistic (rejection sampling)")
-    ap.add_argument("--tie-tol", type=float, default=1e-4, help="near-tie: top two draft logits within this "
-                                                                "times max(1, |largest logit|)")
+    ap.add_argument("--tie-tol", type=float, default=1e-3,
+                    help="near-tie: top two logits (a draft's, or the target's where the outputs part) within this "
+                         "times max(1, |largest logit|) (default 1e-3)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     return ap.parse_args(argv)
 

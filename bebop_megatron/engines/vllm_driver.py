@@ -41,6 +41,26 @@ def _install_hooks(state):
 
     metrics.SpecDecodingStats.observe_draft = observe_draft
 
+    # The same counts per request (keyed by its prompt), from the scheduler's call that feeds them.
+    from vllm.v1.core.sched import scheduler
+
+    make_stats = scheduler.Scheduler.make_spec_decoding_stats
+
+    def make_spec_decoding_stats(self, stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens,
+                                 request_id):
+        per = state["per_prompt"]
+        request = self.requests.get(request_id)
+        if per is not None and request is not None and num_draft_tokens and self.log_stats:
+            c = per.setdefault(json.dumps(list(request.prompt_token_ids)),
+                               {"num_drafts": 0, "accepted_per_pos": []})
+            c["num_drafts"] += 1
+            c["accepted_per_pos"].extend([0] * (num_accepted_tokens - len(c["accepted_per_pos"])))
+            for i in range(num_accepted_tokens):
+                c["accepted_per_pos"][i] += 1
+        return make_stats(self, stats, num_draft_tokens, num_accepted_tokens, num_invalid_spec_tokens, request_id)
+
+    scheduler.Scheduler.make_spec_decoding_stats = make_spec_decoding_stats
+
     # Every tensor the loader reads from the files is kept (so its storage is not reused) and
     # indexed by its storage; a tensor is consumed when a weight loader copies from it (or a
     # view of it) into a parameter.
@@ -144,7 +164,8 @@ def main(argv):
         req = json.load(f)
     import vllm
 
-    state = {"counters": None, "read": {}, "by_storage": {}, "consumed": set(), "expand_differs": None}
+    state = {"counters": None, "per_prompt": None, "read": {}, "by_storage": {}, "consumed": set(),
+             "expand_differs": None}
     _install_hooks(state)
     if req.get("fix_cpu_expand", True):
         _fix_cpu_expand(state)
@@ -168,6 +189,7 @@ def main(argv):
                 counters = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                             "accepted_per_pos": [0] * K}
                 state["counters"] = counters
+                state["per_prompt"] = {}
                 try:
                     tokens, seconds = _generate(llm, req, K, T)
                 except Exception as err:
@@ -176,8 +198,11 @@ def main(argv):
                     return 0
                 finally:
                     state["counters"] = None
+                    per_prompt, state["per_prompt"] = state["per_prompt"], None
                 result["runs"].append({"K": K, "temperature": T, "outputs": tokens, "seconds": seconds,
-                                       "tokens": sum(len(t) for t in tokens), **({"spec": counters} if K else {})})
+                                       "tokens": sum(len(t) for t in tokens), **({"spec": counters} if K else {}),
+                                       **({"spec_per_prompt": [per_prompt.get(json.dumps(list(p)))
+                                                               for p in req["prompts"]]} if K else {})})
             del llm
             gc.collect()
     finally:

@@ -38,7 +38,8 @@ fi
 
 rm -f "$stamp"
 [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
-"$venv/bin/pip" install -q "$pins"
+# (pip's notes on this machine's unused local index folders are dropped)
+"$venv/bin/pip" install -q "$pins" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 "$venv/bin/pip" uninstall -q -y $unwanted 2>/dev/null || true
 "$venv/bin/python" -c 'import vllm, sys; print("vllm", vllm.__version__, file=sys.stderr)'
 echo "$want" > "$stamp"
