@@ -10,9 +10,11 @@ one process, and generates every prompt at every temperature with each. Checked 
 - weights: every tensor of the files is copied into a parameter of the target or the draft
   model (tracked in the driver), and vLLM's loader finds every parameter it needs (it raises
   "Following weights were not initialized from checkpoint" otherwise, reported as is);
-- greedy: the outputs with speculation equal those without, token for token, at every K;
+- greedy: the outputs with speculation equal those without, token for token, at every K (where
+  one parts at a near-tie of the target's logits, by this fp32 forward, the prompt is counted as
+  such and left out of the replay);
 - greedy replay: vLLM's accepted drafts per position (``SpecDecodingStats``, the counters its
-  metrics export) equal this project's replay of the same decoding: the greedy text vLLM
+  metrics export, taken per prompt from the scheduler) equal this project's replay of the same decoding: the greedy text vLLM
   produced without speculation, drafted step by step by the independent pure-PyTorch forward
   of the written files (:mod:`bebop_megatron.convert.verify`) as vLLM's MTP proposer runs it
   (below), verified against that text. Where a draft's top two logits lie within
