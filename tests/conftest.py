@@ -28,7 +28,7 @@ SLOW_FILES = {
     "test_grad_norm_once.py", "test_kernel_triton.py", "test_lr_logged.py", "test_mtp_chain.py", "test_mtp_init.py",
     "test_production_guard.py", "test_production_resume.py", "test_production_slurm.py",
     "test_production_slurm_real.py",
-    "test_real_model_prompts.py", "test_speculative_generate.py", "test_synthetic_backbone.py",
+    "test_real_model_prompts.py", "test_serve_vllm.py", "test_speculative_generate.py", "test_synthetic_backbone.py",
     "test_trainer_data.py", "test_training_signal.py",
 }
 

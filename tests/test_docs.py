@@ -140,19 +140,22 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 
 def test_readme_quick_start_shows_the_commands_ci_runs():
-    """.ci/run runs the README's setup and test commands: the quick start shows exactly those (and
-    installs Slurm for tests/test_production_slurm_real.py where it is missing, as root)."""
+    """.ci/run runs the README's setup and test commands and the optional engine venv: the quick
+    start shows exactly those (and installs Slurm for tests/test_production_slurm_real.py where it is
+    missing, as root)."""
     commands = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.lstrip().startswith(("#", "set ", "cd ", "if ", "apt-get ", "fi", "PACKAGES",
                                                                   "{ command -v", "command -v"))]
     assert commands == ["python3.12 -m venv .venv && .venv/bin/pip install -e '.[test]'",
-                        ".venv/bin/python -m pytest -q tests"]
+                        "tools/engines/vllm_env.sh", ".venv/bin/python -m pytest -q tests"]
     text = README.read_text(encoding="utf-8")
     quick = text[text.index("## Quick start"):]
     quick = quick[:quick.index("\n## ", 1)]
     block = quick[quick.index("```bash\n") + len("```bash\n"):]
     block_lines = block[:block.index("```")].splitlines()
-    assert block_lines[0] == commands[0] and block_lines[-1] == commands[1], block_lines
+    # the engine venv is the optional last line (with a comment), after the tests
+    code = [line.split("#")[0].strip() for line in block_lines]
+    assert code[0] == commands[0] and code[-2:] == [commands[2], commands[1]], block_lines
 
 
 # ----------------------------------------------------------------------------- the registries' names

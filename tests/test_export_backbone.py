@@ -51,7 +51,7 @@ def setup(tmp_path_factory):
         "moved_allowed": [str(moved), "--allow-moved-backbone"],
     }
     exports = [{"tool": "convert_to_hf", "argv": ["--no-progress", "--checkpoint", str(root / "run"), "--format",
-                                                  "mimo", "--target", "vllm", "--mtp-only", "--out",
+                                                  "mimo", "--target", "sglang", "--mtp-only", "--out",
                                                   str(root / "out" / name), "--backbone", *argv]}
                for name, argv in calls.items()]
     exports += [{"tool": tool, "argv": argv} for tool, argv in _evaluations(root).values()]

@@ -66,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="write into a non-empty --out (refused without it): files of the same names are replaced "
                         "and earlier *.safetensors removed; a Megatron checkpoint there is always refused")
     p.add_argument("--mtp-only", action="store_true", help="write the draft (MTP) checkpoint alone")
+    p.add_argument("--round-mtp", action="store_true",
+                   help="write trained float32 MTP weights in the source dtype (default: kept in float32 when the "
+                        "source dtype, e.g. bf16, would round them)")
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                    help="check names, shapes and K steps of draft logits after writing (default: on)")
     p.add_argument("--tolerance", type=float, default=1e-4,
@@ -85,7 +88,7 @@ def main(argv=None) -> None:
                   hf_dir=args.hf_dir, mtp_only=args.mtp_only, verify=args.verify, tol=args.tolerance,
                   progress=not args.no_progress, allow_moved_backbone=args.allow_moved_backbone,
                   num_steps=args.num_speculative_tokens, vllm_handoff=args.vllm_handoff,
-                  overwrite=args.overwrite)
+                  overwrite=args.overwrite, round_mtp=args.round_mtp)
 
 
 def cli(argv: list[str] | None = None) -> None:

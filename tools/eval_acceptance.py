@@ -12,7 +12,7 @@ position then averaged (Eq. 12), analytic and from simulated chains
 entropy (binned, with fitted lines: Fig. 1a / Fig. 8), against temperature (Fig. 12a) and
 the RS-vs-target-only boundary d_TV < 1 - p(argmax q) (Fig. 13).
 
-Decode-exact forecast (:mod:`bebop_megatron.losses.decode_exact`): what speculative decoding
+Decode-exact forecast (:mod:`bebop_megatron.chain.decode_exact`): what speculative decoding
 will measure, the expected accepted drafts per verification from the acceptance given each
 realized token, with a bootstrap interval over texts; exact where the held-out text was sampled
 from this backbone at that temperature (``--sample``, ``--data-temperature``, or the data's

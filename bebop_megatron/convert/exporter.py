@@ -29,8 +29,22 @@ from bebop_megatron.convert.layers import layer_to_hf
 from bebop_megatron.convert.source_check import check_out_apart, check_source, recorded_model
 
 
-def export_tensors(sd: dict, hf, fmt, num_mtp: int, target: str, mtp_only: bool) -> dict[str, torch.Tensor]:
-    """HF-named tensors (vocabulary padding cut, cast to the source dtype)."""
+def trained_mtp_in_fp32(sd: dict, source_dtype: torch.dtype) -> bool:
+    """Whether the MTP layers' weights must be written in float32 to be kept: some of them are not
+    exactly representable in the (lower) source dtype, as trained float32 heads are (imported
+    heads, which are, are written in the source dtype and round-trip bit-exactly)."""
+    from bebop_megatron.model import is_mtp_param
+
+    if source_dtype == torch.float32:
+        return False
+    return any(not torch.equal(t.float(), t.to(source_dtype).float())  # the router's expert bias is float32 anyway
+               for k, t in sd.items() if is_mtp_param(k) and t.is_floating_point() and not k.endswith("expert_bias"))
+
+
+def export_tensors(sd: dict, hf, fmt, num_mtp: int, target: str, mtp_only: bool,
+                   mtp_fp32: bool = False) -> dict[str, torch.Tensor]:
+    """HF-named tensors (vocabulary padding cut, cast to the source dtype; with ``mtp_fp32`` the MTP
+    layers' own weights stay float32, their embedding/head copies take the source dtype)."""
     V = hf.vocab_size
     emb = sd["embedding.word_embeddings.weight"][:V]
     head = sd["output_layer.weight"][:V] if "output_layer.weight" in sd else emb
@@ -49,10 +63,15 @@ def export_tensors(sd: dict, hf, fmt, num_mtp: int, target: str, mtp_only: bool)
         for i in range(hf.num_layers):
             out.update(layer_to_hf(sd, f"decoder.layers.{i}.", f"{p}layers.{i}.", hf.layer_at(i),
                                    qkv_bias=fmt.backbone_qkv_bias))
+    fp32 = set()
     for i in range(num_mtp):
         extra = {"sglang_nextn": True} if sglang_nextn else {}
-        out.update(fmt.to_hf(sd, i, hf.layer_at(hf.num_layers + i), hf.num_layers, emb=emb, head=head, **extra))
-    return {k: v.to(torch.float32 if k.endswith("e_score_correction_bias") else hf.dtype) for k, v in out.items()}
+        mtp = fmt.to_hf(sd, i, hf.layer_at(hf.num_layers + i), hf.num_layers, emb=emb, head=head, **extra)
+        if mtp_fp32:
+            fp32.update(k for k, v in mtp.items() if v is not emb and v is not head)
+        out.update(mtp)
+    return {k: v.to(torch.float32 if k.endswith("e_score_correction_bias") or k in fp32 else hf.dtype)
+            for k, v in out.items()}
 
 
 def expected_shapes(fmt, config: dict, num_mtp: int, target: str, mtp_only: bool) -> dict[str, tuple]:
@@ -116,7 +135,8 @@ def _hf_dir(explicit, candidates) -> str:
 def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, backbone: str | None = None,
                   hf_dir: str | None = None, mtp_only: bool = False, verify: bool = True, tol: float = 1e-4,
                   progress: bool = True, allow_moved_backbone: bool = False, num_steps: int | None = None,
-                  vllm_handoff: str | None = None, overwrite: bool = False, log=print) -> dict:
+                  vllm_handoff: str | None = None, overwrite: bool = False, round_mtp: bool = False,
+                  log=print) -> dict:
     """Write ``out_dir``; returns a summary (number of tensors, verification differences).
     A non-empty ``out_dir`` is refused unless ``overwrite``.
 
@@ -124,7 +144,8 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     path and fingerprint; with ``allow_moved_backbone`` the fingerprint alone). ``num_steps``:
     draft steps K to verify and serve (default: the trained ``mtp.num_steps``);
     ``vllm_handoff``: ``pre_norm`` for the DeepSeek-V3 / GLM-4.5 drafts of vLLM releases before
-    PR #45895 (see :mod:`bebop_megatron.convert.handoff`)."""
+    PR #45895 (see :mod:`bebop_megatron.convert.handoff`). Trained float32 MTP weights that the
+    source dtype (e.g. bf16) would round are written in float32 unless ``round_mtp``."""
     from tqdm import tqdm
 
     from bebop_megatron.model import is_mtp_param
@@ -175,7 +196,9 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
     model = megatron_io.build(cfg)
     megatron_io.load(bb, model, lambda k: not is_mtp_param(k))
     megatron_io.load(ckpt, model, is_mtp_param)
-    tensors = export_tensors(megatron_io.weights(model), hf, fmt, num_mtp, target, mtp_only)
+    sd = megatron_io.weights(model)
+    mtp_fp32 = not round_mtp and trained_mtp_in_fp32(sd, hf.dtype)
+    tensors = export_tensors(sd, hf, fmt, num_mtp, target, mtp_only, mtp_fp32)
     expected = expected_shapes(fmt, config, num_mtp, target, mtp_only)
     tensors.update(vision)
     expected.update({k: tuple(v.shape) for k, v in vision.items()})
@@ -189,12 +212,17 @@ def convert_to_hf(checkpoint: str, out_dir: str, fmt_name: str, target: str, *, 
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(text)
     copy_tokenizer(source, out_dir)
-    summary = {"tensors": len(tensors), "num_mtp_layers": num_mtp, "num_steps": K, "handoff": engine}
+    summary = {"tensors": len(tensors), "num_mtp_layers": num_mtp, "num_steps": K, "handoff": engine,
+               "mtp_dtype": "float32" if mtp_fp32 else str(hf.dtype).replace("torch.", "")}
+    if mtp_fp32:
+        log(f"the trained MTP weights are written in float32 ({str(hf.dtype).replace('torch.', '')} would round "
+            "them; --round-mtp writes them in the source dtype)")
     if verify:
         if hf.dtype != torch.float32:  # compare like with like: the written weights are rounded
             with torch.no_grad():
-                for param in model.parameters():
-                    param.copy_(param.to(hf.dtype).float())
+                for name, param in model.named_parameters():
+                    if not (mtp_fp32 and is_mtp_param(name)):
+                        param.copy_(param.to(hf.dtype).float())
         chain = Chain(num_mtp, K, engine, trained.handoff, target)
         summary.update(verify_export(out_dir, model, fmt, config, expected, chain, mtp_only, hf.vocab_size, tol))
         log(f"verified: {len(expected)} tensors with the expected names and shapes; {K} draft step(s) through "

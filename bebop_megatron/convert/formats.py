@@ -68,6 +68,10 @@ class MiMo:
         if target == "vllm" and num_mtp > 1:
             raise ConvertError(f"vLLM's MiMoMTP predicts with its first MTP layer only; the checkpoint has "
                                f"{num_mtp} (train with mtp.num_layers=1)")
+        if target == "vllm" and mtp_only:
+            raise ConvertError("--mtp-only: vLLM's MiMo draft reads num_nextn_predict_layers from the served model's "
+                               "config (vllm/model_executor/models/mimo_mtp.py), so it cannot be served beside a plain "
+                               "target; export the full model (without --mtp-only) and serve it alone")
 
     @classmethod
     def to_megatron(cls, get, i: int, shape: LayerShape, num_layers: int) -> dict:
@@ -140,10 +144,9 @@ class MiMo:
 
     @staticmethod
     def serve(out: str, target: str, mtp_only: bool, target_model: str, num_mtp: int, num_steps: int = 3) -> str:
-        if target == "vllm":
-            draft = f', "model": "{out}"' if mtp_only else ""
+        if target == "vllm":  # a full export: vLLM's MiMo draft comes from the served model itself
             return (f"vllm serve {target_model} --trust-remote-code --speculative-config "
-                    f"'{{\"method\": \"mtp\", \"num_speculative_tokens\": {num_steps}{draft}, "
+                    f"'{{\"method\": \"mtp\", \"num_speculative_tokens\": {num_steps}, "
                     f"\"draft_sample_method\": \"probabilistic\"}}'")
         return (f"python -m sglang.launch_server --model-path {target_model} --trust-remote-code "
                 f"--speculative-algorithm NEXTN --speculative-draft-model-path {out} "

@@ -2,7 +2,9 @@
 
 ``post_norm``: the MTP layer's output after its final norm (Megatron-Core's
 ``MultiTokenPredictionLayer``, the default ``mtp.next_step_input``); ``pre_norm``: before it.
-Draft step 1 always gets the target's last hidden state after its final norm.
+Draft step 1 gets the target's last hidden state after its final norm, as Megatron trains it,
+except in vLLM's MiMo path, whose target hands on the state before it (found by
+``tools/serve_check.py``; see docs/conversion.md, "Serving the heads").
 
 The engines (per format: ``engine_handoffs`` in :mod:`bebop_megatron.convert.formats`, the
 first entry of each target being its default):

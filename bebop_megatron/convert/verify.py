@@ -104,12 +104,22 @@ class MiMoReference:
         ``final_layernorm``, after it)."""
         t, p, eps = self.tensors, f"model.mtp_layers.{i}.", self.qcfg.rms_norm_eps
         x = torch.cat([_rms(t[p + "hidden_layernorm.weight"], eps)(h_BLH),
-                       _rms(t[p + "token_layernorm.weight"], eps)(F.embedding(tokens_BL, self.emb))], dim=-1)
+                       _rms(t[p + "token_layernorm.weight"], eps)(_embed(self, tokens_BL, self.emb))], dim=-1)
         y = _decoder(self.layers[i], x @ t[p + "input_proj.weight"].float().T, self.rotary)
         return y, _rms(t[p + "final_layernorm.weight"], eps)(y)
 
     def logits(self, i: int, normed_BLH: torch.Tensor) -> torch.Tensor:
         return normed_BLH @ self.head.T
+
+
+def _embed(ref, tokens_BL: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The draft's token embedding; zero at position 0 when ``ref.zero_first_embedding`` (as
+    vLLM's MTP layers run; training and ``--verify`` do not)."""
+    e_BLH = F.embedding(tokens_BL, weight)
+    if getattr(ref, "zero_first_embedding", False):
+        e_BLH = e_BLH.clone()
+        e_BLH[:, 0] = 0
+    return e_BLH
 
 
 def _decoder(layer, x_BLH: torch.Tensor, rotary) -> torch.Tensor:
@@ -202,7 +212,7 @@ class NextNReference:
     def step(self, i: int, h_BLH: torch.Tensor, tokens_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """NextN layer ``i``: (its output before ``shared_head.norm``, after it)."""
         t, p = self.tensors, self.prefixes[i]
-        e_BLH = F.embedding(tokens_BL, self.emb[i])
+        e_BLH = _embed(self, tokens_BL, self.emb[i])
         x = torch.cat([self._norm(t[p + "enorm.weight"])(e_BLH), self._norm(t[p + "hnorm.weight"])(h_BLH)], dim=-1)
         y = _decoder(self.layers[i], x @ t[p + "eh_proj.weight"].float().T, self.rotary)
         return y, self._norm(t[p + "shared_head.norm.weight"])(y)

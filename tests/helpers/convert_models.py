@@ -19,13 +19,15 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mimo", "glm4_moe", "deepsee
 NEXTN_FAMILIES = ("glm4_moe", "deepseek_v3")  # NextN MTP layers at model.layers.{N+i}
 
 
-def hf_config(family: str):
+def hf_config(family: str, **overrides):
+    """``overrides`` replace COMMON's values (Llama, Qwen2 and MiMo)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+    common = {**COMMON, **overrides}
     if family == "llama":
-        return LlamaConfig(**COMMON, rope_theta=500000.0, tie_word_embeddings=False)
+        return LlamaConfig(**common, rope_theta=500000.0, tie_word_embeddings=False)
     if family in ("qwen2", "mimo"):
-        return Qwen2Config(**COMMON, rope_theta=1000000.0, tie_word_embeddings=family == "qwen2")
+        return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=family == "qwen2")
     if family == "qwen3":  # head_dim != hidden / heads, as in real Qwen3 models
         return Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True)
     if family == "qwen3_moe":
@@ -112,8 +114,9 @@ def mimo_mtp_tensors(cfg, num_mtp: int, seed: int = 7) -> dict[str, torch.Tensor
 
 
 def make_hf_model(family: str, path: Path, num_mtp: int = 1, seed: int = 0,
-                  dtype: torch.dtype = torch.float32) -> Path:
-    """Save a random model of ``family`` (with norms away from 1) and a tokenizer to ``path``."""
+                  dtype: torch.dtype = torch.float32, **overrides) -> Path:
+    """Save a random model of ``family`` (with norms away from 1) and a tokenizer to ``path``;
+    ``overrides``: config values replacing COMMON's (Llama, Qwen2, MiMo)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -122,7 +125,7 @@ def make_hf_model(family: str, path: Path, num_mtp: int = 1, seed: int = 0,
     if family in qwen_models.QWEN_FAMILIES:
         return qwen_models.make_qwen_model(family, path, seed)
     torch.manual_seed(seed)
-    cfg = hf_config(family)
+    cfg = hf_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(cfg).float()
     with torch.no_grad():  # random norms and biases, so that a misplaced one shows in the logits
         for name, p in model.named_parameters():
