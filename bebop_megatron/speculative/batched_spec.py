@@ -156,19 +156,43 @@ class BatchedSpecModel:
     # ------------------------------------------------------------------ layers
 
     def _freqs(self, positions_SB: torch.Tensor):
+        """RoPE of the positions: the angles ``[S, B, 1, d_rot]`` (Megatron's fused-RoPE config),
+        else their ``(cos, sin)`` in the model's dtype, computed once for every layer of a call
+        (Megatron's unfused RoPE recomputes them for q and k of every layer: a fifth of a decode
+        step of SmolLM2-135M)."""
         if not self.use_rope:
             return None
         need = int(positions_SB.max()) + 1
         if self._rope is None or self._rope.shape[0] < need:
             n = max(need, 2 * (0 if self._rope is None else self._rope.shape[0]), 256)
             self._rope = self.model.rotary_pos_emb(n)[:, 0]  # [n, 1, d_rot]
-        return self._rope[positions_SB]  # [S, B, 1, d_rot]
+        freqs = self._rope[positions_SB]  # [S, B, 1, d_rot]
+        if getattr(self.cfg, "apply_rope_fusion", False):
+            return freqs
+        return torch.cos(freqs).to(self.dtype), torch.sin(freqs).to(self.dtype)
+
+    def _qkv(self, attn, x_SBH, rope):
+        """:func:`qkv_with_rope` with the cos and sin given: the same arithmetic as Megatron's
+        unfused ``_apply_rotary_pos_emb_bshd`` (mscale 1, no MLA interleaving)."""
+        if not isinstance(rope, tuple):
+            return qkv_with_rope(attn, x_SBH, rope, self.cfg)
+        from megatron.core.models.common.embeddings.rope_utils import _rotate_half
+
+        cos, sin = rope
+        q, k, v = attn.get_query_key_value_tensors(x_SBH, None)[:3]
+        rot, interleaved = cos.shape[-1], self.cfg.rotary_interleaved
+
+        def apply(t):
+            t, t_pass = t[..., :rot], t[..., rot:]
+            return torch.cat(((t * cos) + (_rotate_half(t, interleaved) * sin), t_pass), dim=-1)
+
+        return apply(q), apply(k), v
 
     def _attention(self, attn, x_SBH, freqs, slots_BS, cache):
         """Writes the keys and values of row b's S positions into its slots ``slots_BS[b]`` and
         attends each query to the row's slots at or before its own."""
         k_cache, v_cache = cache
-        q, k, v = qkv_with_rope(attn, x_SBH, freqs, self.cfg)  # [S, B, nh|ng, d]
+        q, k, v = self._qkv(attn, x_SBH, freqs)  # [S, B, nh|ng, d]
         S, B = q.shape[:2]
         rows = torch.arange(B)[:, None]
         k_cache[rows, slots_BS] = k.transpose(0, 1).to(k_cache.dtype)
