@@ -14,8 +14,13 @@ change of machine load hits all alike; reported: the median over ``--repeats`` r
 - ``batched``: the same prompts ``--batch-size`` at a time (BatchedSpecModel, static caches);
 - ``batched_plain``: the batched decoder without drafts (one target forward per token);
 - ``vllm_plain`` (``--vllm``, needs ``--hf-dir``): vLLM's ``LLM.generate`` on the HF folder, no
-  speculation (the folder has no MTP layers), in one worker process kept alive between rounds
-  (its model load is not timed).
+  speculation, in one worker process kept alive between rounds (its model load is not timed);
+- ``vllm_spec`` (``--vllm-spec``, ``--hf-dir`` an export with MTP layers, e.g. ``--format mimo
+  --target vllm`` of tools/convert_to_hf.py): the same with MTP speculation, ``--gamma`` draft
+  tokens, ``draft_sample_method: probabilistic`` (rejection sampling with the draft's
+  distribution, as ours), in a second worker. vLLM 0.32's CPU fallback of the rejection
+  sampler's ``expand_batch_to_tokens`` leaves the per-token temperatures uninitialised at T > 0;
+  the worker replaces it with the same expansion in torch.
 
 Every variant samples at ``--temperature`` (RS at gamma ``--gamma`` for the speculative ones)
 and generates exactly ``--max-new-tokens`` per prompt (no stop token; vLLM with
@@ -55,8 +60,8 @@ CHAT = ["What is the capital of France?", "Write a haiku about rain.", "Explain 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.split("\n")[1:]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="\n".join(__doc__.split("\n")[1:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf-dir", default=None, help="a Hugging Face model folder (default: a tiny random MTP model)")
     p.add_argument("--mtp-init", default="copy_last_layer", choices=("copy_last_layer", "random"),
                    help="the MTP layers of --hf-dir's import (the folder has none)")
@@ -71,6 +76,8 @@ def parse_args(argv=None):
                         "thread waits at every barrier for a descheduled one)")
     p.add_argument("--skip-single", action="store_true", help="leave out the (slow) single-sequence variant")
     p.add_argument("--vllm", action="store_true", help="add vLLM's CPU engine (needs --hf-dir and the engine venv)")
+    p.add_argument("--vllm-spec", action="store_true",
+                   help="add vLLM with MTP speculation (--hf-dir must hold MTP layers: a MiMo export)")
     p.add_argument("--vllm-venv", default=os.environ.get("BEBOP_VLLM_VENV", ".venv-vllm"),
                    help="the engine venv (default $BEBOP_VLLM_VENV or .venv-vllm)")
     p.add_argument("--no-csv", action="store_true", help="do not append to results.csv")
@@ -81,9 +88,9 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not args.temperature > 0:
         p.error("--temperature must be > 0 (the single-sequence decoder samples)")
-    if args.vllm and not args.hf_dir:
+    if (args.vllm or args.vllm_spec) and not args.hf_dir:
         p.error("--vllm needs --hf-dir (vLLM loads a Hugging Face folder)")
-    if args.vllm and not os.path.isfile(os.path.join(args.vllm_venv, "bin", "python")):
+    if (args.vllm or args.vllm_spec) and not os.path.isfile(os.path.join(args.vllm_venv, "bin", "python")):
         p.error(f"--vllm: no engine venv at {args.vllm_venv} (make it with tools/engines/vllm_env.sh)")
     if args.hf_dir and not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
         p.error(f"--hf-dir {args.hf_dir}: no config.json")
@@ -99,8 +106,21 @@ def vllm_worker(request_path: str) -> None:
         req = json.load(f)
     from vllm import LLM, SamplingParams
 
+    kw = {}
+    if req["gamma"]:
+        import torch
+        from vllm.v1.sample import rejection_sampler
+
+        def expand(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+            counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())
+            src = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+            return torch.repeat_interleave(src, counts, output_size=num_tokens)
+
+        rejection_sampler.expand_batch_to_tokens = expand
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": req["gamma"],
+                                    "draft_sample_method": "probabilistic"}
     llm = LLM(model=req["model"], dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-              max_model_len=req["max_model_len"], seed=0, gpu_memory_utilization=0.1)
+              max_model_len=req["max_model_len"], seed=0, gpu_memory_utilization=0.1, trust_remote_code=True, **kw)
     params = SamplingParams(temperature=req["temperature"], max_tokens=req["max_new_tokens"], ignore_eos=True,
                             detokenize=False, seed=req["seed"])
     prompts = [{"prompt_token_ids": ids} for ids in req["prompts"]]
@@ -116,9 +136,9 @@ def vllm_worker(request_path: str) -> None:
 
 
 class VLLM:
-    def __init__(self, args, prompts, tmp: Path):
-        req = tmp / "vllm_request.json"
-        req.write_text(json.dumps({"model": os.path.abspath(args.hf_dir), "prompts": prompts,
+    def __init__(self, args, prompts, tmp: Path, gamma: int = 0):
+        req = tmp / f"vllm_request_{gamma}.json"
+        req.write_text(json.dumps({"model": os.path.abspath(args.hf_dir), "prompts": prompts, "gamma": gamma,
                                    "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                                    "seed": 0, "max_model_len": max(map(len, prompts)) + args.max_new_tokens + 8}))
         venv = os.path.abspath(args.vllm_venv)
@@ -129,7 +149,7 @@ class VLLM:
         iomp = os.path.join(venv, "lib", "libiomp5.so")
         if os.path.isfile(iomp):
             env["LD_PRELOAD"] = iomp
-        self.log = open(tmp / "vllm.log", "w")
+        self.log = open(tmp / f"vllm_{gamma}.log", "w")
         self.proc = subprocess.Popen([os.path.join(venv, "bin", "python"), os.path.abspath(__file__),
                                       "--vllm-worker", str(req)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, cwd=str(tmp))
@@ -192,7 +212,8 @@ def make_prompts(args, vocab):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.hf_dir)
-    texts = [CHAT[i % len(CHAT)] + ("" if i < len(CHAT) else f" (variant {i // len(CHAT)})") for i in range(args.prompts)]
+    texts = [CHAT[i % len(CHAT)] + ("" if i < len(CHAT) else f" (variant {i // len(CHAT)})")
+             for i in range(args.prompts)]
     out = []
     for text in texts:
         rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -243,10 +264,12 @@ def main(argv=None) -> dict:
     if not args.skip_single:
         variants = {"single": run_single, **variants}
     tmp = Path(tempfile.mkdtemp(prefix="bench_spec_"))
-    engine = VLLM(args, prompts, tmp) if args.vllm else None
-    rates = {name: [] for name in variants}
-    if engine:
-        rates["vllm_plain"] = []
+    engines = {}
+    if args.vllm:
+        engines["vllm_plain"] = VLLM(args, prompts, tmp)
+    if args.vllm_spec:
+        engines["vllm_spec"] = VLLM(args, prompts, tmp, gamma=args.gamma)
+    rates = {name: [] for name in [*variants, *engines]}
     for name, fn in variants.items():  # warm-up (allocator, RoPE tables), not timed
         if name != "single":
             fn()
@@ -256,13 +279,13 @@ def main(argv=None) -> dict:
                 t0 = time.perf_counter()
                 tokens = fn()
                 rates[name].append(tokens / (time.perf_counter() - t0))
-            if engine:
+            for name, engine in engines.items():
                 tokens, seconds = engine.run()
-                rates["vllm_plain"].append(tokens / seconds)
+                rates[name].append(tokens / seconds)
             print(f"round {r + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in rates.items()),
                   file=sys.stderr, flush=True)
     finally:
-        if engine:
+        for engine in engines.values():
             engine.close()
     metrics = {f"{name}_tokens_per_s": statistics.median(v) for name, v in rates.items()}
     b = metrics["batched_tokens_per_s"]
@@ -270,9 +293,11 @@ def main(argv=None) -> dict:
         metrics["batched_over_single"] = b / metrics["single_tokens_per_s"]
         agree = [x.tokens == y.tokens for x, y in zip(last["single"], last["batched"])]
         metrics["agree"] = sum(agree) / len(agree)
-    if engine:
-        metrics["vllm_plain_over_batched"] = metrics["vllm_plain_tokens_per_s"] / b
-        metrics["vllm_plain_over_batched_plain"] = metrics["vllm_plain_tokens_per_s"] / metrics["batched_plain_tokens_per_s"]
+    if "vllm_plain" in engines:
+        metrics["vllm_plain_over_batched_plain"] = (metrics["vllm_plain_tokens_per_s"]
+                                                    / metrics["batched_plain_tokens_per_s"])
+    if "vllm_spec" in engines:
+        metrics["vllm_spec_over_batched"] = metrics["vllm_spec_tokens_per_s"] / b
     metrics["accepted_per_verification"] = measured(last["batched"], args.gamma)["measured_accept_len"]
     metrics["load_avg_1m_before"], metrics["load_avg_1m_after"] = load_before, os.getloadavg()[0]
     params = {"model": Path(args.hf_dir).name if args.hf_dir else "tiny_random", "mtp_init": args.mtp_init

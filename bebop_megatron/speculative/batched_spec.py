@@ -69,8 +69,8 @@ def accept_rs(p_BGV, q_BGV, drafts_BG, u_BG, u_B):
 
 
 def accept_to(p_BGV, drafts_BG, u_BG, u_B):
-    """Target-only verification of B chains of greedy drafts (:func:`~bebop_megatron.speculative.chain.chain_target_only`
-    per row) with the given uniforms."""
+    """Target-only verification of B chains of greedy drafts
+    (:func:`~bebop_megatron.speculative.chain.chain_target_only` per row) with the given uniforms."""
     B, G = drafts_BG.shape
     num = (u_BG < p_BGV[:, :G].gather(-1, drafts_BG[..., None])[..., 0]).long().cumprod(-1).sum(-1)
     rows = torch.arange(B)
@@ -233,7 +233,8 @@ class BatchedSpecModel:
         x = layer._concat_embeddings(prev_BSH.transpose(0, 1), emb)
         y = self._stack(layer.mtp_model_layer, x, freqs, pos_BS, st.mtp_caches[k - 1])
         normed = layer.final_layernorm(y)
-        st.hand[k - 1][torch.arange(pos_BS.shape[0])[:, None], pos_BS] = (y if self.pre_norm else normed).transpose(0, 1)
+        hand = y if self.pre_norm else normed
+        st.hand[k - 1][torch.arange(pos_BS.shape[0])[:, None], pos_BS] = hand.transpose(0, 1)
         return normed.transpose(0, 1)
 
     # ------------------------------------------------------------------ decoding
@@ -273,8 +274,8 @@ class BatchedSpecModel:
         hidden = self.backbone(st, st.tok[:, :P], torch.zeros(B, dtype=torch.long))
         first = self.logits(hidden[torch.arange(B), lens - 1])  # [B, V]
         st.c = lens.clone()
-        st.tok[torch.arange(B), st.c] = self._sample(first, temperature, [torch.rand(1, generator=g, dtype=torch.float64)
-                                                                          for g in gens] if not greedy else None)
+        u_first = None if greedy else [torch.rand(1, generator=g, dtype=torch.float64) for g in gens]
+        st.tok[torch.arange(B), st.c] = self._sample(first, temperature, u_first)
         share("prefill_seconds", time.perf_counter() - t0, range(B))
         yield
         self._finished(st, lens, max_new_tokens, stop, outs, torch.full((B,), -1))
