@@ -209,16 +209,13 @@ def make_prompts(args, vocab):
         g = torch.Generator().manual_seed(0)
         return [torch.randint(0, vocab, (int(n),), generator=g).tolist()
                 for n in torch.randint(16, 49, (args.prompts,), generator=g)]
-    from transformers import AutoTokenizer
+    from bebop_megatron.data.tokenizer import tokenizer_from_dir
+    from bebop_megatron.speculative.session import prompt_ids
 
-    tok = AutoTokenizer.from_pretrained(args.hf_dir)
+    tok = tokenizer_from_dir(args.hf_dir)  # the model's chat template, as tools/speculative_generate.py renders it
     texts = [CHAT[i % len(CHAT)] + ("" if i < len(CHAT) else f" (variant {i // len(CHAT)})")
              for i in range(args.prompts)]
-    out = []
-    for text in texts:
-        rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                           add_generation_prompt=True)
-        out.append(list(tok(rendered, add_special_tokens=False)["input_ids"]))  # the template writes any BOS
+    out = [prompt_ids(tok, [{"role": "user", "content": text}]) for text in texts]
     return out
 
 
