@@ -182,3 +182,31 @@ def test_refusals(tiny):
         batched_generate(m, [[1, 2]], [0], gamma=4, temperature=1.0, max_new_tokens=3)
     with pytest.raises(ValueError, match="no empty prompt"):
         batched_generate(m, [[1], []], [0, 1], gamma=1, temperature=1.0, max_new_tokens=3)
+
+
+def test_repeated_layer_and_pre_norm_hand_off(tiny):
+    """One MTP layer reused for three draft steps (as an import of a model without MTP layers
+    serves it) with the pre-norm hand-off: the batched decoder still gives the single-sequence
+    decoder's tokens and acceptance counts. (Built in ``tiny``'s process group; last in the file.)"""
+    from bebop_megatron.config import load_config
+    from bebop_megatron.model import build_model
+    from bebop_megatron.model.builder import PreNormChainMTPLayer
+    from bebop_megatron.speculative.batched_spec import BatchedSpecModel, batched_generate
+    from bebop_megatron.speculative.megatron_model import MegatronSpecModel
+    from bebop_megatron.training.parallel import setup_parallel
+
+    cfg = load_config(overrides=[*TINY[:-1], "mtp.num_layers=1", "mtp.next_step_input=pre_norm"])
+    setup_parallel(cfg, 1)
+    torch.manual_seed(1)
+    model = build_model(cfg, "cpu").eval()
+    assert isinstance(model.mtp.layers[0], PreNormChainMTPLayer) and model.mtp.mtp_use_repeated_layer
+    prompts, seeds = prompts_of([6, 13, 3], seed=3), [1, 2, 3]
+    kw = dict(gamma=3, temperature=1.0, max_new_tokens=15, mode="rs")
+    single = MegatronSpecModel(model, V)
+    refs = [speculative_generate(single, p, generator=torch.Generator().manual_seed(s), **kw)
+            for p, s in zip(prompts, seeds)]
+    outs = batched_generate(BatchedSpecModel(model, V), prompts, seeds, **kw)
+    for out, ref in zip(outs, refs):
+        assert out.tokens == ref.tokens
+        assert [r.num_accepted for r in out.rounds] == [r.num_accepted for r in ref.rounds]
+    assert len({r.num_accepted for o in outs for r in o.rounds}) >= 2
