@@ -200,6 +200,9 @@ def test_repeated_layer_and_pre_norm_hand_off(tiny):
     torch.manual_seed(1)
     model = build_model(cfg, "cpu").eval()
     assert isinstance(model.mtp.layers[0], PreNormChainMTPLayer) and model.mtp.mtp_use_repeated_layer
+    with torch.no_grad():  # a final norm away from 1, so that pre- and post-norm hand-offs differ
+        weight = model.mtp.layers[0].final_layernorm.weight
+        weight.copy_(1 + 0.5 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
     prompts, seeds = prompts_of([6, 13, 3], seed=3), [1, 2, 3]
     kw = dict(gamma=3, temperature=1.0, max_new_tokens=15, mode="rs")
     single = MegatronSpecModel(model, V)
