@@ -192,14 +192,17 @@ def test_megatron_model_and_tool(tmp_path):
     # __main__ runs it) and the tool's one-line error for a missing checkpoint.
     out = tmp_path / "spec.json"
     tool = ["--checkpoint", str(save), "--prompts", str(REPO / "examples" / "data" / "tiny_valid.jsonl"),
-            "--limit", "3", "--gamma", "2", "--max-new-tokens", "12", "--baseline", "--json", str(out)]
+            "--limit", "3", "--gamma", "2", "--max-new-tokens", "12", "--baseline", "--batch-size", "2",
+            "--json", str(out)]
     too_far = [*tool[:4], "--limit", "1", "--max-new-tokens", "4", "--gamma", "100",
                "--json", str(tmp_path / "far.json")]
-    case, proc, bad, far = run_batch(
+    single_out = tmp_path / "single.json"
+    case, proc, bad, far, single = run_batch(
         [{"tool": "tests/helpers/speculative_case.py", "argv": [str(save)]},
          {"tool": "speculative_generate", "argv": tool},
          {"tool": "speculative_generate", "argv": [tool[0], str(tmp_path / "missing")] + tool[2:]},
-         {"tool": "speculative_generate", "argv": too_far}],
+         {"tool": "speculative_generate", "argv": too_far},
+         {"tool": "speculative_generate", "argv": [*tool[:-2], "--decoder", "single", "--json", str(single_out)]}],
         tmp_path / "batch")
     assert case.returncode == 0, case.stderr[-3000:]
     result = json.loads(case.stdout.strip().splitlines()[-1])
@@ -227,6 +230,13 @@ def test_megatron_model_and_tool(tmp_path):
     assert len(report["per_position"]) == 2 and len(report["texts"]) == 3
     assert set(report["wall_seconds"]) == {"target", "draft", "prefill"}
     assert 1.0 <= report["tokens_per_target_forward"] <= 3.0
+    # the batched decoder (the default; batches of 2 for 3 prompts) and --decoder single: the same
+    # texts and acceptance counts for the same seed (tests/test_speculative_batched.py: why)
+    assert single.returncode == 0, single.stderr[-3000:]
+    one = json.loads(single_out.read_text())
+    assert report["texts"] == one["texts"] and report["num_verifications"] == one["num_verifications"]
+    assert [p["accepted"] for p in report["per_position"]] == [p["accepted"] for p in one["per_position"]]
+    assert report["tokens_per_second"] > 0 and "tokens/s (batched, batch 2)" in proc.stdout
 
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "checkpoint not found" in bad.stderr
     # --gamma far above the trained steps, the one MTP layer reused: the draft positions no

@@ -84,7 +84,8 @@ def test_negative_counts_are_refused(capsys):
                         ("--make-vocab-size-divisible-by", "0")):
         assert usage_error(capsys, "convert_from_hf", [*imp, flag, value]) == f"{flag} must be >= 1, got {value}"
     spec = ["--checkpoint", "c", "--prompts", "p"]
-    for flag, value in (("--limit", "0"), ("--limit", "-2"), ("--gamma", "0"), ("--max-new-tokens", "0")):
+    for flag, value in (("--limit", "0"), ("--limit", "-2"), ("--gamma", "0"), ("--max-new-tokens", "0"),
+                        ("--batch-size", "0")):
         # (issue 48 item 21) --limit 0 read no prompt and said "no prompt in the file"
         assert usage_error(capsys, "speculative_generate", [*spec, flag, value]) == f"{flag} must be >= 1, got {value}"
     assert load_tool("speculative_generate").parse_args([*spec, "--limit", "1"]).limit == 1

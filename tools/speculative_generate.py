@@ -17,12 +17,19 @@ data.tokenizer is applied with the generation prompt. A data file works as a pro
 trailing assistant message of a "messages" line are dropped alike.
 
 Caches: Megatron's own inference cache cannot verify several tokens in one forward on CPU,
-so the tool runs Megatron's modules with its own per-layer KV caches (backbone and each MTP
-step; bebop_megatron/speculative/megatron_model.py). A verification costs one backbone
-forward over gamma+1 new tokens; drafting costs gamma MTP-layer forwards over the few
-positions whose inputs changed. --baseline also decodes each prompt plainly (one forward per
-token, a second cache of the same model, advanced in turn with the speculative run so that
-load changes hit both alike) and reports the wall-time speed-up.
+so the tool runs Megatron's modules with its own KV caches (backbone and each MTP step). By
+default (--decoder batched) --batch-size prompts are decoded at once over static caches
+(bebop_megatron/speculative/batched_spec.py: rows accept different numbers of drafts, each
+row keeps its own cursor and its own seeded random draws, so a prompt's tokens do not depend
+on the batch); --decoder single decodes one prompt at a time
+(bebop_megatron/speculative/megatron_model.py). Both give the same tokens for the same
+--seed, up to the rounding of batched float arithmetic. A verification costs one backbone
+forward over gamma+1 new tokens per row; drafting costs gamma MTP-layer forwards over the few
+positions whose inputs changed. --baseline also decodes each prompt (each batch) plainly (one
+forward per token, its own caches, advanced in turn with the speculative run so that load
+changes hit both alike) and reports the wall-time speed-up. tokens_per_second counts the new
+tokens over the decoding's wall time (prefill, drafting, verification; a batch's time is
+shared by its rows).
 
 The JSON holds, per draft position, the measured acceptance rate and count; the mean accepted
 length per verification (measured_accept_len, ci95: 95% CLT interval over verifications);
@@ -65,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per prompt (default 128)")
     parser.add_argument("--limit", type=int, default=None, help="use the first N prompts (N >= 1; default all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of every random draw (default 0)")
+    parser.add_argument("--decoder", choices=("batched", "single"), default="batched",
+                        help="batched: --batch-size prompts at once over static KV caches (default); single: one "
+                             "prompt at a time")
+    parser.add_argument("--batch-size", type=int, default=16,
+                        help="prompts decoded at once by --decoder batched (default 16)")
     parser.add_argument("--baseline", action="store_true",
                         help="also decode plainly (one target forward per token) and report the speed-up")
     parser.add_argument("--json", default=None, metavar="FILE",
@@ -73,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not TEMPERATURES[0] <= args.temperature <= TEMPERATURES[1]:  # NaN fails too
         parser.error(f"--temperature must be in [{TEMPERATURES[0]:g}, {TEMPERATURES[1]:g}], got {args.temperature}")
-    for name in ("gamma", "max_new_tokens", "limit"):
+    for name in ("gamma", "max_new_tokens", "limit", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:  # --limit 0 said "no prompt in the file"
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -109,11 +121,18 @@ def main(argv=None) -> dict:
         raise ValueError(f"--gamma {args.gamma} exceeds the checkpoint's {spec.num_steps} MTP layers")
     tokenizer = tokenizer_from_dir(cfg.data.tokenizer)
     prompts = [prompt_ids(tokenizer, p.messages) for p in prompt_set.prompts]
-    result = run_config(spec, prompts, gamma=args.gamma, temperature=args.temperature, mode=args.mode,
-                        max_new_tokens=args.max_new_tokens, seed=args.seed, stop_ids=stop_ids_of(tokenizer),
-                        baseline=args.baseline,
-                        baseline_model=MegatronSpecModel(model, cfg.model.vocab_size, weight_VH=spec.weight_VH),
-                        progress=lambda i, n: print(f"prompt {i}/{n} done", file=sys.stderr, flush=True))
+    progress = lambda i, n: print(f"prompt {i}/{n} done", file=sys.stderr, flush=True)  # noqa: E731
+    kw = dict(gamma=args.gamma, temperature=args.temperature, mode=args.mode, max_new_tokens=args.max_new_tokens,
+              seed=args.seed, stop_ids=stop_ids_of(tokenizer), baseline=args.baseline, progress=progress)
+    if args.decoder == "batched":
+        from bebop_megatron.speculative.batched_spec import BatchedSpecModel
+        from bebop_megatron.speculative.session import run_config_batched
+
+        batched = BatchedSpecModel(model, cfg.model.vocab_size, weight_VH=spec.weight_VH)
+        result = run_config_batched(batched, spec, prompts, batch_size=args.batch_size, **kw)
+    else:
+        result = run_config(spec, prompts, **kw,
+                            baseline_model=MegatronSpecModel(model, cfg.model.vocab_size, weight_VH=spec.weight_VH))
     result["checkpoint"] = args.checkpoint
     result["texts"] = [decode(tokenizer, t) for t in result["texts"]]
     pos = " ".join(f"{p['rate']:.3f} ({p['accepted']}/{p['attempts']})" for p in result["per_position"])
@@ -124,7 +143,9 @@ def main(argv=None) -> dict:
           f"{result['measured_accept_len']:.3f} [{lo:.3f}, {hi:.3f}] vs decode-exact forecast {dec_text} "
           f"({result['expected_verifications']:.1f} verifications expected, {result['num_verifications']} counted); "
           f"Eq. 12 over every position {result['predicted_accept_len']:.3f}; per position {pos}; "
-          f"{result['tokens_per_target_forward']:.2f} tokens per target forward"
+          f"{result['tokens_per_target_forward']:.2f} tokens per target forward; "
+          f"{result['tokens_per_second']:.1f} tokens/s ({args.decoder}"
+          + (f", batch {args.batch_size})" if args.decoder == "batched" else ")")
           + (f"; speed-up {result['speedup']:.2f}x" if "speedup" in result else ""))
     if args.json:
         write_json(args.json, result)

@@ -11,7 +11,8 @@ independent chains at once (same algorithm, same random stream for B = 1).
 
 Whole-sequence speculative decoding with the trained heads (``tools/speculative_generate.py``):
 :mod:`.decoding` (the draft / verify / accept loop over any model with four methods),
-:mod:`.megatron_model` (the Megatron model with KV caches), :mod:`.measure` (measured
+:mod:`.megatron_model` (the Megatron model with KV caches, one sequence),
+:mod:`.batched_spec` (the same decoding for a batch of prompts over static caches), :mod:`.measure` (measured
 acceptance against the teacher-forced Eq. 12 prediction), :mod:`.session` (loading, runs).
 """
 

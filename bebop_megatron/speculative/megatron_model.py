@@ -259,6 +259,9 @@ class MegatronSpecModel:
             for k in range(1, gamma + 1):
                 self.mtp_caches.pop(k, None)
                 n = L - k
+                if n < 1:  # gamma beyond the text (a repeated layer): step k has no position
+                    normed.append(self.h0.new_zeros((0, self.h0.shape[1])))
+                    continue
                 hand, out = self._mtp_step(k, src[:n], tokens[k:], 0, keep=n)
                 normed.append(out)
                 src = hand

@@ -208,10 +208,48 @@ def run_config(spec_model, prompts: list[list[int]], *, gamma: int, temperature:
                      max_new_tokens=max_new_tokens, seed=seed, predict_seconds=predict_seconds)
 
 
+def run_config_batched(batched_model, tf_model, prompts: list[list[int]], *, gamma: int, temperature: float,
+                       mode: str, max_new_tokens: int, seed: int, stop_ids=(), baseline: bool = False,
+                       batch_size: int = 16, progress=None) -> dict:
+    """:func:`run_config` with the batched decoder (:class:`~bebop_megatron.speculative.batched_spec.BatchedSpecModel`):
+    the prompts in batches of ``batch_size``, in order, prompt i with the same seed as
+    :func:`run_config` gives it (so the same tokens, up to batched float rounding). With
+    ``baseline`` each batch is also decoded plainly (one target forward per token, its own
+    caches), advanced round by round in turn with the speculative batch. The teacher-forced
+    values come from ``tf_model`` (a :class:`~bebop_megatron.speculative.megatron_model.MegatronSpecModel`
+    of the same model). Wall times: each batched call's time is split evenly over the rows
+    it ran, so the sums are the batches' wall times."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    gens, alphas, plain, predict_seconds = [], [], [], 0.0
+    for lo in range(0, len(prompts), batch_size):
+        chunk = prompts[lo: lo + batch_size]
+        seeds = [seed * 1_000_003 + lo + j for j in range(len(chunk))]
+        outs = [Generation(len(ids), list(ids)) for ids in chunk]
+        kw = dict(temperature=temperature, max_new_tokens=max_new_tokens, mode=mode, stop_ids=stop_ids)
+        steps = [batched_model.generate_steps(chunk, seeds, outs, gamma=gamma, **kw)]
+        if baseline:
+            plain_outs = [Generation(len(ids), list(ids)) for ids in chunk]
+            steps.append(batched_model.generate_steps(chunk, seeds, plain_outs, gamma=0, **kw))
+            plain += plain_outs
+        lockstep(*steps)
+        gens += outs
+        t0 = time.perf_counter()
+        alphas += [teacher_forced_rows(tf_model, gen, gamma, temperature, mode, max_new_tokens=max_new_tokens,
+                                       stop_ids=stop_ids) for gen in outs]
+        predict_seconds += time.perf_counter() - t0
+        if progress:
+            progress(len(gens), len(prompts))
+    return summarize(gens, alphas, plain, gamma=gamma, temperature=temperature, mode=mode,
+                     max_new_tokens=max_new_tokens, seed=seed, predict_seconds=predict_seconds)
+
+
 def summarize(gens, alphas, plain, *, gamma, temperature, mode, max_new_tokens, seed, predict_seconds=0.0) -> dict:
     result = {"gamma": gamma, "temperature": temperature, "mode": mode, "max_new_tokens": max_new_tokens,
               "num_prompts": len(gens), "seed": seed, **measured(gens, gamma), **predicted(gens, alphas, gamma),
               "predict_seconds": predict_seconds}
+    wall = result["wall_seconds"]
+    result["tokens_per_second"] = result["new_tokens"] / max(wall["prefill"] + wall["target"] + wall["draft"], 1e-12)
     if plain:
         result["baseline"] = baseline_stats(plain)
         decode = result["wall_seconds"]["target"] + result["wall_seconds"]["draft"]
@@ -223,6 +261,8 @@ def summarize(gens, alphas, plain, *, gamma, temperature, mode, max_new_tokens, 
 def baseline_stats(plain) -> dict:
     tokens = sum(len(g.new_tokens) for g in plain)
     seconds = sum(g.target_seconds for g in plain)
+    wall = seconds + sum(g.prefill_seconds for g in plain)
     return {"new_tokens": tokens, "target_forwards": sum(g.target_forwards for g in plain), "seconds": seconds,
+            "tokens_per_second": tokens / max(wall, 1e-12),
             # the first token of each prompt comes from the prefill, as for speculative decoding
             "seconds_per_token": seconds / max(tokens, 1)}
