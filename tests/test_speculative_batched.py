@@ -67,7 +67,7 @@ def tiny():
 
 def full_logits(model, tokens: list[int]) -> torch.Tensor:
     """Backbone logits ``[S, V]`` of the model's own full forward (no cache)."""
-    from bebop_megatron.training.loss import output_weight_of
+    from bebop_megatron.model.builder import output_weight_of
 
     with torch.no_grad():
         hidden = model(torch.tensor([tokens]), torch.arange(len(tokens))[None], None)

@@ -46,7 +46,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from bebop_megatron.speculative.chain import inverse_cdf
+from bebop_megatron.chain.sampling import inverse_cdf
 from bebop_megatron.speculative.decoding import MODES, Generation, Round, _truncate, probs_of
 from bebop_megatron.speculative.megatron_model import attention_output, check_attention, layer_forward, qkv_with_rope
 
@@ -54,7 +54,7 @@ WHAT = "the batched speculative decoder"
 
 
 def accept_rs(p_BGV, q_BGV, drafts_BG, u_BG, u_B):
-    """Rejection sampling of B chains (:func:`~bebop_megatron.speculative.chain.chain_rejection_sample`
+    """Rejection sampling of B chains (:func:`~bebop_megatron.chain.sampling.chain_rejection_sample`
     per row) with the given uniforms: ``(num_accepted [B], next_token [B])``."""
     B, G, _ = q_BGV.shape
     y = drafts_BG[..., None]
@@ -70,7 +70,7 @@ def accept_rs(p_BGV, q_BGV, drafts_BG, u_BG, u_B):
 
 def accept_to(p_BGV, drafts_BG, u_BG, u_B):
     """Target-only verification of B chains of greedy drafts
-    (:func:`~bebop_megatron.speculative.chain.chain_target_only` per row) with the given uniforms."""
+    (:func:`~bebop_megatron.chain.sampling.chain_target_only` per row) with the given uniforms."""
     B, G = drafts_BG.shape
     num = (u_BG < p_BGV[:, :G].gather(-1, drafts_BG[..., None])[..., 0]).long().cumprod(-1).sum(-1)
     rows = torch.arange(B)
@@ -120,7 +120,7 @@ class BatchedSpecModel:
     with ``gamma=0``)."""
 
     def __init__(self, model, vocab_size: int, weight_VH: torch.Tensor | None = None):
-        from bebop_megatron.training.loss import output_weight_of
+        from bebop_megatron.model.builder import output_weight_of
 
         cfg = model.config
         check_attention(cfg, WHAT)
