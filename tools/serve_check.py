@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse(argv):
@@ -63,7 +60,13 @@ def main(argv=None) -> int:
     return 0 if report["ok"] else 1
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> None:
+    """The command line (console script ``bebop-serve-check``)."""
+    argv = sys.argv[1:] if argv is None else argv
     from bebop_megatron.cli import run_cli
 
-    run_cli(lambda: sys.exit(main(sys.argv[1:])))
+    run_cli(lambda: sys.exit(main(argv)))
+
+
+if __name__ == "__main__":
+    cli()

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from bebop_megatron.chain.sampling import inverse_cdf
-from bebop_megatron.speculative.decoding import MODES, Generation, Round, _truncate, probs_of
+from bebop_megatron.speculative.decoding import MODES, Generation, Round, truncate_at_stop, probs_of
 from bebop_megatron.speculative.megatron_model import attention_output, check_attention, layer_forward, qkv_with_rope
 
 WHAT = "the batched speculative decoder"
@@ -359,7 +359,7 @@ class BatchedSpecModel:
             if c + 1 - P >= max_new_tokens or any(t in stop_set for t in new):
                 outs[r].tokens = tok[i][: c + 1]
                 outs[r].accepted = list(outs[r].tokens)
-                _truncate(outs[r], max_new_tokens, stop_set)
+                truncate_at_stop(outs[r], max_new_tokens, stop_set)
             else:
                 keep.append(i)
         if len(keep) < len(st.rows):

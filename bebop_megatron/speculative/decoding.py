@@ -133,7 +133,7 @@ def speculative_steps(model, out: Generation, *, gamma, temperature, max_new_tok
         out.tokens += [*drafts[:num], nxt]
         yield
     out.accepted = list(out.tokens)
-    _truncate(out, max_new_tokens, stop_ids)
+    truncate_at_stop(out, max_new_tokens, stop_ids)
 
 
 def autoregressive_generate(model, prompt_ids: list[int], *, temperature: float, max_new_tokens: int,
@@ -177,7 +177,7 @@ def lockstep(*steps) -> None:
                 live.remove(it)
 
 
-def _truncate(out: Generation, max_new_tokens: int, stop_ids) -> None:
+def truncate_at_stop(out: Generation, max_new_tokens: int, stop_ids) -> None:
     new = out.new_tokens[:max_new_tokens]
     for i, t in enumerate(new):
         if t in stop_ids:
