@@ -194,8 +194,11 @@ def test_smoke_returns_the_heads_and_they_decode_here(tmp_path):
     assert json.loads((out / "spec_ckpt" / "existing_ce_seed0_g3_T1.json").read_text())["loss"] == "ce"
     mine = json.loads((out / "spec_ckpt" / "existing_e2e_tv_seed0_g3_T1.json").read_text())
     tool = json.loads((tmp_path / "tool.json").read_text())
-    for key in ("measured_accept_len", "num_verifications", "predicted_accept_len", "predicted_accept_len_decode"):
+    for key in ("measured_accept_len", "num_verifications"):
         assert mine[key] == tool[key], key
+    # the tool decodes batched (its default) and recomputes the forecast from scratch: equal to 1e-6
+    for key in ("predicted_accept_len", "predicted_accept_len_decode"):
+        assert mine[key] == pytest.approx(tool[key], rel=1e-6), key
     assert mine["study"] == records["e2e_tv"]["metrics"]["1"]["accept_len_rs_g3"]
 
 
