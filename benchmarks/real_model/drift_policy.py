@@ -97,7 +97,7 @@ def last_boxed(text: str) -> str | None:
 
 
 def _clean(candidate: str) -> str:
-    return candidate.strip().strip("*`$ \t").removesuffix(".").strip()
+    return candidate.strip().rstrip(".").strip("*`$ \t").rstrip(".").strip()
 
 
 def answer_candidates(text: str) -> list[str]:
