@@ -108,6 +108,13 @@ def test_verify_stage_counts_and_keeps(tmp_path):
                                              "oracle_passed": 1, "pass_rate": 2 / 3}
     assert report["by_source"]["other"]["verifiable"] is False and report["by_source"]["other"]["pass_rate"] is None
     assert json.loads((tmp_path / "verify.json").read_text()) == report
+    # only the planned samples (and the oracle's) count: the file may hold others
+    report = drift.stage_verify([samples, oracle], tmp_path / "kept.jsonl", tmp_path / "verify.json",
+                                wanted={(json.dumps("stdlib:textwrap.dedent2"), 1), (json.dumps("stdlib:textwrap.dedent1"), 0)})
+    kept = [json.loads(line) for line in (tmp_path / "kept.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["sample"]) for r in kept] == [("stdlib:textwrap.dedent1", -1), ("stdlib:textwrap.dedent2", 1)]
+    assert report["by_source"]["stdlib"]["sampled"] == 2 and report["by_source"]["stdlib"]["passed"] == 1
+    assert "other" not in report["by_source"]
 
 
 # ----------------------------------------------------------------------------- fine-tuning
@@ -277,6 +284,7 @@ def test_report_against_reference(model_a, tmp_path):
     (["--hf-dir", "/nonexistent"], "--hf-dir /nonexistent: no config.json"),
     (["--dry-run", "--model", "smollm2-135m"], "--dry-run makes its own model"),
     (["--dry-run", "--steps", "-1"], "--steps and --warmup-steps must be >= 0"),
+    (["--dry-run", "--sources", "stdlib,bogus"], "--sources stdlib,bogus: unknown bogus"),
 ])
 def test_user_mistakes_are_one_line(args, message):
     proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,

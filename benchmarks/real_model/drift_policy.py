@@ -11,7 +11,7 @@ rejection-sampling fine-tuning on the CPU (issue 47, item 4), and how far B move
 Stages, each resumable from ``--out`` (run the same command again after an interruption):
 
 1. sample: ``--samples`` K answers per training prompt (the first ``--num-train`` of
-   ``PROMPTS/train.jsonl``) from A at ``--temperature`` (default 1), at most ``--max-new-tokens``,
+   ``PROMPTS/train.jsonl``, those of ``--sources`` if given) from A at ``--temperature`` (default 1), at most ``--max-new-tokens``,
    with the project's seeded sampler (:mod:`bebop_megatron.data.generate_hf`: sample j of prompt ID
    has a seed from (``--seed``, ID, j) only; the same text for any batch size or resume), appended
    to ``OUT/samples.jsonl`` as ``tools/generate_responses.py`` writes it (ids included). With the
@@ -167,8 +167,10 @@ def verify(source: str, item_id: str, prompt: str, answer: str) -> bool | None:
     return None
 
 
-def stage_verify(files: list[Path], kept_path: Path, report_path: Path) -> dict:
-    """Every answer of ``files`` verified; the passing ones, sorted by (id, sample), to ``kept_path``."""
+def stage_verify(files: list[Path], kept_path: Path, report_path: Path, wanted: set | None = None) -> dict:
+    """Every answer of ``files`` verified (only the (id key, sample) pairs of ``wanted`` when given, and
+    the oracle's: a file that holds more samples, made with other --num-train, --samples or --sources);
+    the passing ones, sorted by (id, sample), to ``kept_path``."""
     from bebop_megatron.platform.atomic import write_atomic
 
     per_source, kept = {}, []
@@ -176,6 +178,8 @@ def stage_verify(files: list[Path], kept_path: Path, report_path: Path) -> dict:
         with open(path, encoding="utf-8") as f:
             for line in f:
                 rec = json.loads(line)
+                if wanted is not None and not rec.get("oracle") and (json.dumps(rec["id"]), rec["sample"]) not in wanted:
+                    continue
                 source = rec.get("source", "(none)")
                 prompt = next(m["content"] for m in rec["messages"] if m["role"] == "user")
                 ok = verify(source, str(rec["id"]), prompt, rec["messages"][-1]["content"])
@@ -353,7 +357,7 @@ def stage_finetune(a_dir: Path, examples: list, work: Path, b_dir: Path, *, step
             raise output_write_error(err, "--out", str(state_path), f"the state of step {step} is not saved") from None
 
     model.train()
-    start, first, tokens = time.perf_counter(), step, 0
+    start, cpu_start, first, tokens = time.perf_counter(), time.process_time(), step, 0
     try:
         while step < steps and (stop_after is None or step - first < stop_after):
             ids, attn, mask = make_batch([examples[i] for i in batch_indices(step, batch_size, len(examples), seed)],
@@ -371,14 +375,16 @@ def stage_finetune(a_dir: Path, examples: list, work: Path, b_dir: Path, *, step
             losses.append(float(loss.detach()))
             if step % max(1, steps // 20) == 0 or step == steps:
                 rate = tokens / max(time.perf_counter() - start, 1e-9)
-                log(f"finetune: step {step}/{steps}, loss {losses[-1]:.4f}, {rate:,.0f} tokens/s")
+                cpu_rate = tokens / max(time.process_time() - cpu_start, 1e-9)  # a shared machine: what it got
+                log(f"finetune: step {step}/{steps}, loss {losses[-1]:.4f}, {rate:,.0f} tokens/s "
+                    f"({cpu_rate:,.0f} per CPU-second)")
             if step % save_every == 0 and step < steps:
                 save()
     except KeyboardInterrupt:
         save()
         log(f"interrupted: state saved at step {step}/{steps} in {state_path} (run again to resume)")
         raise
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     if step < steps:
         save()
         log(f"finetune: stopped at step {step}/{steps} (--stop-after); state in {state_path}")
@@ -392,8 +398,8 @@ def stage_finetune(a_dir: Path, examples: list, work: Path, b_dir: Path, *, step
         from bebop_megatron.cli import output_write_error
 
         raise output_write_error(err, "--b-dir", str(b_dir), "the fine-tuned state is saved: run again") from None
-    record = {"settings": settings, "losses": losses, "last_session": {"steps": step - first, "seconds": seconds,
-                                                                       "tokens": tokens}}
+    record = {"settings": settings, "losses": losses,
+              "last_session": {"steps": step - first, "seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": tokens}}
     done.write_text(json.dumps(record) + "\n")
     state_path.unlink(missing_ok=True)
     log(f"finetune: B written to {b_dir} (loss {losses[0]:.4f} -> {losses[-1]:.4f})" if losses else
@@ -562,6 +568,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     s = p.add_argument_group("sampling")
     s.add_argument("--num-train", type=int, default=1000, help="first N training prompts (default 1000)")
     s.add_argument("--samples", type=int, default=4, help="answers per training prompt, K (default 4)")
+    s.add_argument("--sources", default="all",
+                   help="sample only the training prompts of these sources (comma-separated; default all): "
+                        "answers of a source that never passes only cost time")
     s.add_argument("--temperature", type=float, default=1.0, help="default 1.0")
     s.add_argument("--max-new-tokens", type=int, default=128, help="default 128 (the study's)")
     s.add_argument("--gen-batch-size", type=int, default=16, help="default 16")
@@ -609,6 +618,10 @@ def check_args(args) -> None:
         raise ValueError("--steps and --warmup-steps must be >= 0")
     if not args.lr > 0 or not args.temperature > 0 or args.clip < 0 or args.weight_decay < 0:
         raise ValueError("--lr and --temperature must be > 0, --clip and --weight-decay >= 0")
+    unknown = [s for s in args.sources.split(",") if s.strip() not in prompt_sources.SOURCES]
+    if args.sources != "all" and unknown:
+        raise ValueError(f"--sources {args.sources}: unknown {', '.join(unknown)}; choose from all, "
+                         f"{', '.join(prompt_sources.SOURCES)}")
     out = Path(args.out) if args.out else None
     if out is not None and out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: not a folder")
@@ -649,13 +662,20 @@ def main(argv=None) -> dict:
 
     t0 = time.perf_counter()
     train = read_prompts(str(prompts_dir / "train.jsonl"), limit=args.num_train).prompts
+    if args.sources != "all":
+        wanted = {s.strip() for s in args.sources.split(",") if s.strip()}
+        train = [p for p in train if p.extra.get("source") in wanted]
+        if not train:
+            raise ValueError(f"--sources {args.sources}: none of the first {args.num_train} training prompts is "
+                             f"of these sources")
     stage_sample(hf, train, out / "samples.jsonl", n=args.samples, seed=args.seed, temperature=args.temperature,
                  max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch_size)
     files = [out / "samples.jsonl"]
     if oracle:
         write_atomic(out / "oracle.jsonl", "".join(json.dumps(r) + "\n" for r in oracle))
         files.append(out / "oracle.jsonl")
-    verified = stage_verify(files, out / "kept.jsonl", out / "verify.json")
+    wanted = {(p.key, j) for p in train for j in range(args.samples)}
+    verified = stage_verify(files, out / "kept.jsonl", out / "verify.json", wanted)
     examples = read_examples(out / "kept.jsonl", args.max_seq_length)
     record = stage_finetune(hf, examples, out, b_dir, steps=args.steps, lr=args.lr, batch_size=args.batch_size,
                             max_len=args.max_seq_length, seed=args.train_seed, warmup=args.warmup_steps,
@@ -673,7 +693,8 @@ def main(argv=None) -> dict:
     stats = stage_report(hf, b_dir, read_responses(eval_path), args.max_seq_length)
     report = {"a": os.path.realpath(hf), "b": os.path.realpath(b_dir), "eval_responses": os.path.realpath(eval_path),
               "drift": stats, "verify": verified, "finetune": record,
-              "sampling": {"samples": args.samples, "num_train": len(train), "temperature": args.temperature,
+              "sampling": {"samples": args.samples, "train_prompts": len(train), "sources": args.sources,
+                           "temperature": args.temperature,
                            "max_new_tokens": args.max_new_tokens, "seed": args.seed},
               "dry_run": args.dry_run, "seconds_this_invocation": time.perf_counter() - t0}
     for folder in {out, b_dir}:  # beside B, and in the work folder
