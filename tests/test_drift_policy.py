@@ -8,7 +8,8 @@ tiny random Llama.
   the same B as an uninterrupted one, bit for bit;
 - the drift statistics against a float64 NumPy computation on the same logits, on random logits
   and through the report stage on two real models;
-- a user mistake is one ``error:`` line, exit status 2.
+- ``--dry-run`` end to end, and again on its folder (every stage resumed, the same report);
+- a user mistake is one ``error:`` line, exit status 2, before any work.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -286,9 +285,28 @@ def test_report_against_reference(model_a, tmp_path):
     (["--dry-run", "--steps", "-1"], "--steps and --warmup-steps must be >= 0"),
     (["--dry-run", "--sources", "stdlib,bogus"], "--sources stdlib,bogus: unknown bogus"),
 ])
-def test_user_mistakes_are_one_line(args, message):
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT), "PATH": ""})
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+def test_user_mistakes_are_one_line(args, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit_:
+        drift.cli([*args, "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], captured.err
+    assert not (tmp_path / "out").exists()  # before any work
+
+
+def test_dry_run_every_stage_then_resume(tmp_path, capsys):
+    """``--dry-run`` end to end in this process, then again on the same folder: nothing is redone
+    and the report's numbers are the same."""
+    report = drift.main(["--dry-run", "--out", str(tmp_path)])
+    oracle = [json.loads(line) for line in (tmp_path / "oracle.jsonl").read_text().splitlines()]
+    for source, row in report["verify"]["by_source"].items():
+        assert row["oracle_passed"] == row["oracle"] == sum(r["source"] == source for r in oracle) > 0
+    held = [json.loads(line) for line in (tmp_path / "heldout_A.jsonl").read_text().splitlines()]
+    assert report["drift"]["(all)"]["tokens"] == sum(len(r["response_ids"]) for r in held)
+    assert report["drift"]["(all)"]["kl_a_b_per_token"] > 0 and len(report["finetune"]["losses"]) == 3
+    assert json.loads((tmp_path / "B" / "drift_report.json").read_text()) == report
+    again = drift.main(["--dry-run", "--out", str(tmp_path)])
+    assert again["drift"] == report["drift"] and again["finetune"] == report["finetune"]
+    err = capsys.readouterr().err
+    assert "12 to generate, 0 on file" in err and "0 to generate, 12 on file" in err and "is complete" in err
