@@ -646,7 +646,10 @@ def main(argv=None) -> dict:
         args.steps, args.lr = min(args.steps, 3), 1e-3
     else:
         out = Path(args.out) if args.out else default_out()
-        out.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"--out {out}: cannot create it ({err.strerror or err})") from None
         prompts_dir = Path(args.prompts)
         if args.model:
             from bebop_megatron.study.stages import registry_model
