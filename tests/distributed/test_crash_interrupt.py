@@ -15,13 +15,10 @@ after the interrupted run's checkpoint.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 
-from tests.helpers.launch import REPO, _free_port
+from tests.helpers.launch import REPO, start_torchrun
 from tests.helpers.production import output, read_stream, run_ranks, start_ranks, wait_all, wait_for_step
 
 SCRIPT = REPO / "tests" / "helpers" / "production_run.py"
@@ -79,16 +76,7 @@ def test_ctrl_c_in_a_single_process_saves_and_exits_130(tmp_path):
 
 def test_ctrl_c_under_torchrun_saves_on_every_rank(tmp_path):
     stream, ckpt = tmp_path / "interrupted.jsonl", tmp_path / "ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        torchrun = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-             "--master_port", str(_free_port()), str(SCRIPT), "--stream", str(stream), *TINY, LONG,
-             f"save.dir={ckpt}"],
-            cwd=REPO, env=env, stdout=out, stderr=err,
-        )
+    torchrun = start_torchrun(SCRIPT, ["--stream", str(stream), *TINY, LONG, f"save.dir={ckpt}"], tmp_path)
     try:
         deadline = time.monotonic() + 240
         while not (read_stream(stream) and read_stream(stream)[-1]["step"] >= 2):

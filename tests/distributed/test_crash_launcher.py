@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 
-from tests.helpers.launch import REPO, _free_port
+from tests.helpers.launch import REPO, start_torchrun
 from tests.helpers.production import read_stream
 
 SCRIPT = REPO / "tests" / "helpers" / "production_run.py"
@@ -36,15 +34,7 @@ def running(pid: int) -> bool:
 
 def test_ranks_stop_when_torchrun_is_killed(tmp_path):
     stream, ckpt = tmp_path / "steps.jsonl", tmp_path / "ckpt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
-        torchrun = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-             "--master_port", str(_free_port()), str(SCRIPT), "--stream", str(stream), *TINY, f"save.dir={ckpt}"],
-            cwd=REPO, env=env, stdout=out, stderr=err,
-        )
+    torchrun = start_torchrun(SCRIPT, ["--stream", str(stream), *TINY, f"save.dir={ckpt}"], tmp_path)
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 240

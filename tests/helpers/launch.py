@@ -48,6 +48,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_torchrun(script: Path, args: list[str], folder: Path, nproc: int = 2) -> subprocess.Popen:
+    """``script`` under torchrun on ``nproc`` CPU ranks, one thread each, in the background: stdout
+    and stderr to ``folder/out`` and ``folder/err``, this process's rank variables left out (the
+    tests that signal or kill torchrun itself)."""
+    from tests.helpers.single_process import ENV_NAMES
+
+    env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+             "127.0.0.1", "--master_port", str(_free_port()), str(script), *args],
+            cwd=REPO, env=env, stdout=out, stderr=err,
+        )
+
+
 def run_script(script: str, args: list[str], nproc: int, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     path = str(HELPERS / script) if not os.path.isabs(script) else script
