@@ -41,7 +41,7 @@ from pathlib import Path
 from bebop_megatron.platform import cpu_model
 from bebop_megatron.platform.atomic import write_atomic
 from bebop_megatron.study.log import StudyError, log, write_error
-from bebop_megatron.study.stages import DONE, SPLITS, is_heldout
+from bebop_megatron.study.stages import DONE, SPLITS, is_heldout, splits_on_file
 
 FORMAT = 1
 MANIFEST = "MANIFEST.json"
@@ -299,7 +299,7 @@ def pack(work: Path, dest: Path, *, prompts: Path | None = None) -> dict:
 def _write_pack(work: Path, tmp: Path, prompts: Path | None) -> dict:
     data = work / "data"
     splits = {}
-    for split in (*SPLITS, *sorted(p.name.removesuffix(".jsonl") for p in data.glob("heldout_t*.jsonl"))):
+    for split in splits_on_file(data):
         src = data / f"{split}.jsonl"
         if not src.is_file():
             continue

@@ -32,6 +32,11 @@ def is_heldout(split: str) -> bool:
     return split == "heldout" or split.startswith("heldout_t")
 
 
+def splits_on_file(data: Path) -> list[str]:
+    """The response splits ``data`` holds: :data:`SPLITS` and each other temperature's held-out split."""
+    return [*SPLITS, *sorted(p.stem for p in data.glob("heldout_t*.jsonl"))]
+
+
 def response_splits(temperatures=()) -> dict[str, float | None]:
     """``{split: its sampling temperature}``: :data:`SPLITS` at the stage's own temperature (None here)
     and a held-out split per other evaluation temperature."""
@@ -290,8 +295,7 @@ def stage_tokenize(meg: Path, data: Path) -> None:
     trainer then reads them instead of tokenizing the JSONL."""
     from bebop_megatron.data.preprocess import preprocess
 
-    extra = sorted(p.stem for p in data.glob("heldout_t*.jsonl"))
-    for split in (*SPLITS, *extra):
+    for split in splits_on_file(data):
         src, stamp = data / f"{split}.jsonl", data / f".{split}.tokenized"
         key = f"{src.stat().st_size}\n"
         if stamp.is_file() and stamp.read_text() == key:
